@@ -1,0 +1,143 @@
+"""Choosing k, the number of speculative tokens per round, from measured acceptance and costs.
+
+With per-token acceptance rate a, a round that drafts k tokens commits on average
+E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, equation 1). Its cost is the draft
+time for k tokens, one target verify over k + 1 positions, and the round's orchestration. The
+controller picks the k in [0, k_max] with the highest E(k) / cost(k); k = 0 is plain target
+decoding (E = 1, no draft call). Verify cost is measured for each k separately, because it is not
+flat in k on every machine (DESIGN.md, "Speed").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+EMA_WEIGHT = 0.2           # weight of a new cost sample
+ACCEPTANCE_DECAY = 0.9     # per-round forgetting of the acceptance counts
+PRIOR_ACCEPTED = 1.5       # pseudo-counts: an acceptance rate of 0.6 before any round
+PRIOR_REJECTED = 1.0
+PROBE_EVERY = 16           # rounds at k = 0 before drafting once to re-measure acceptance
+
+
+def expected_tokens(acceptance_rate: float, k: int) -> float:
+    """E(k) = (1 - a^(k+1)) / (1 - a): tokens committed by a round drafting k tokens."""
+    a = min(max(acceptance_rate, 0.0), 1.0)
+    if a > 1.0 - 1e-9:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class CostModel:
+    """Measured per-round costs, shared by all requests of one engine or router (thread-safe).
+
+    Keeps an exponential moving average of the draft time per drafted token, of the verify time
+    for each k, and of the orchestration overhead of speculative (k > 0) and plain rounds.
+    """
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self._lock = threading.Lock()
+        self._draft_per_token: float | None = None
+        self._verify: list[float | None] = [None] * (k_max + 1)
+        self._overhead: dict[bool, float] = {}
+
+    def observe(self, k: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
+        """Records one round: k drafted tokens, draft and verify compute, and the rest (seconds)."""
+        with self._lock:
+            if k > 0:
+                self._draft_per_token = _ema(self._draft_per_token, draft_s / k)
+            self._verify[k] = _ema(self._verify[k], verify_s)
+            self._overhead[k > 0] = _ema(self._overhead.get(k > 0), max(overhead_s, 0.0))
+
+    @property
+    def measured(self) -> bool:
+        return any(v is not None for v in self._verify)
+
+    def round_seconds(self, k: int) -> float:
+        """Predicted seconds of a round drafting k tokens (needs at least one observation).
+
+        An unmeasured verify cost is interpolated between the nearest measured k on each side,
+        or taken from the nearest one beyond the measured range: an optimistic guess for larger
+        k, which the controller then measures and corrects.
+        """
+        with self._lock:
+            verify = _interpolate(self._verify, k)
+            overhead = self._overhead.get(k > 0, self._overhead.get(k == 0, 0.0))
+            draft = k * (self._draft_per_token or 0.0)
+        return max(draft + verify + overhead, 1e-9)
+
+
+class AcceptanceEstimator:
+    """Per-request acceptance rate, by maximum likelihood under i.i.d. acceptance.
+
+    A round that accepts n of k draft tokens contributes n acceptances and, if n < k, one
+    rejection; a = accepted / (accepted + rejected), with old rounds decayed and a weak prior.
+    """
+
+    def __init__(self) -> None:
+        self._accepted = PRIOR_ACCEPTED
+        self._rejected = PRIOR_REJECTED
+
+    def observe(self, k: int, num_accepted: int) -> None:
+        if k == 0:
+            return
+        self._accepted = self._accepted * ACCEPTANCE_DECAY + num_accepted
+        self._rejected = self._rejected * ACCEPTANCE_DECAY + (num_accepted < k)
+
+    @property
+    def rate(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+
+@dataclasses.dataclass
+class KController:
+    """Picks k for each round of one request.
+
+    Args:
+        costs: the shared CostModel.
+        k_max: largest k allowed.
+        fixed_k: use this k every round (still capped by ``limit``); None = adaptive.
+        initial_k: k of the first rounds, before any cost is measured.
+    """
+
+    costs: CostModel
+    k_max: int
+    fixed_k: int | None = None
+    initial_k: int = 4
+    acceptance: AcceptanceEstimator = dataclasses.field(default_factory=AcceptanceEstimator)
+    _plain_rounds: int = 0
+
+    def choose(self, limit: int) -> int:
+        """k for the next round, at most ``limit`` (tokens left before a length stop, minus one)."""
+        cap = max(0, min(self.k_max, limit))
+        if self.fixed_k is not None:
+            return min(self.fixed_k, cap)
+        if not self.costs.measured:
+            return min(self.initial_k, cap)
+        if self._plain_rounds >= PROBE_EVERY:
+            return min(1, cap)
+        rate = self.acceptance.rate
+        return max(range(cap + 1),
+                   key=lambda k: expected_tokens(rate, k) / self.costs.round_seconds(k))
+
+    def observe(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
+                overhead_s: float) -> None:
+        self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
+        self.acceptance.observe(k, num_accepted)
+        self.costs.observe(k, draft_s, verify_s, overhead_s)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - EMA_WEIGHT) * old + EMA_WEIGHT * new
+
+
+def _interpolate(table: list[float | None], k: int) -> float:
+    if table[k] is not None:
+        return table[k]
+    below = next(((i, table[i]) for i in range(k - 1, -1, -1) if table[i] is not None), None)
+    above = next(((i, table[i]) for i in range(k + 1, len(table)) if table[i] is not None), None)
+    if below and above:
+        (i0, v0), (i1, v1) = below, above
+        return v0 + (v1 - v0) * (k - i0) / (i1 - i0)
+    return (below or above)[1]

@@ -1,0 +1,126 @@
+"""SpeculativeEngine: the draft, the target and the round loop in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any, AsyncIterator, Sequence
+
+import torch
+
+from specdec.adaptive import CostModel
+from specdec.models import LoadedModel, check_same_tokenizer, load_model_pair
+from specdec.proposer import DraftProposer
+from specdec.request import AUTO, ModelLimits, encode_prompt, prepare_request
+from specdec.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.sampling import SamplingParams
+from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES
+from specdec.stopping import Delta
+from specdec.verifier import TargetVerifier
+from specdec.v1 import worker_pb2
+
+DEFAULT_MAX_SPECULATIVE_TOKENS = 8
+DEFAULT_DRAFT_TOP_N = 64
+
+
+class LocalTransport:
+    """The round loop's transport for a draft and target living in this process."""
+
+    def __init__(self, proposer: DraftProposer, verifier: TargetVerifier) -> None:
+        self.proposer = proposer
+        self.verifier = verifier
+
+    async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
+        return self.proposer.propose(request)
+
+    async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
+        return self.verifier.verify(request)
+
+    async def release(self, session_id: str) -> None:
+        request = worker_pb2.ReleaseRequest(session_id=session_id)
+        self.proposer.release(request)
+        self.verifier.release(request)
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding in one process.
+
+    Greedy output equals the target model's greedy output token for token; sampled output follows
+    the target's distribution under the request's temperature / top-k / top-p (the acceptance rule
+    is in specdec.speculative).
+
+    Args:
+        draft, target: loaded models sharing a tokenizer (ModelLoadError otherwise).
+        max_speculative_tokens: k_max, the largest k a request may ask for.
+        cache_capacity_bytes: per-model bound of the session KV caches, in bytes.
+        draft_top_n: the draft samples from its top-N tokens (0 = the whole vocabulary).
+    """
+
+    def __init__(self, draft: LoadedModel, target: LoadedModel, *,
+                 max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
+                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+                 draft_top_n: int = DEFAULT_DRAFT_TOP_N) -> None:
+        check_same_tokenizer(draft.tokenizer, target.tokenizer)
+        self.draft, self.target = draft, target
+        self.tokenizer = target.tokenizer
+        self.transport = LocalTransport(DraftProposer(draft, cache_capacity_bytes),
+                                        TargetVerifier(target, cache_capacity_bytes))
+        self.limits = ModelLimits(
+            vocab_size=target.vocab_size,
+            context_limit=min(draft.context_limit, target.context_limit),
+            max_speculative_tokens=max_speculative_tokens,
+            eos_token_ids=target.eos_token_ids)
+        self.config = LoopConfig(k_max=max_speculative_tokens, draft_top_n=draft_top_n)
+        self.costs = CostModel(max_speculative_tokens)
+
+    @classmethod
+    def from_pretrained(cls, draft_model: str | os.PathLike, target_model: str | os.PathLike, *,
+                        dtype: str = "float32", device: str | torch.device = "cpu",
+                        **kwargs: Any) -> "SpeculativeEngine":
+        """Loads both models offline (see specdec.models.load_model) and builds the engine."""
+        draft, target = load_model_pair(draft_model, target_model, dtype=dtype, device=device)
+        return cls(draft, target, **kwargs)
+
+    def generate(self, prompt: str | Sequence[int] | None = None,
+                 params: SamplingParams | None = None,
+                 num_speculative_tokens: int | str = AUTO, *,
+                 messages: Sequence[dict[str, Any]] | None = None) -> Completion:
+        """Generates one completion.
+
+        Args:
+            prompt: text, or token ids; or pass chat ``messages`` instead.
+            params: sampling and stop parameters (defaults: greedy, 64 new tokens).
+            num_speculative_tokens: k per round, an int in [0, k_max] (0 = target only), or
+                "auto" to choose k each round from measured acceptance and costs.
+        Returns:
+            Completion: token_ids, text, finish_reason ("stop" | "length"), logprobs (target
+            log-probabilities of token_ids), prompt_tokens and stats.
+        Raises:
+            InvalidRequestError (a ValueError) naming the invalid field.
+        """
+        async def collect() -> Completion:
+            loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
+            async with contextlib.aclosing(loop.run()) as deltas:
+                async for _ in deltas:
+                    pass
+            return loop.completion
+
+        return asyncio.run(collect())
+
+    async def generate_stream(self, prompt: str | Sequence[int] | None = None,
+                              params: SamplingParams | None = None,
+                              num_speculative_tokens: int | str = AUTO, *,
+                              messages: Sequence[dict[str, Any]] | None = None
+                              ) -> AsyncIterator[Delta]:
+        """Like generate, yielding one Delta per round (text deltas concatenate to the text)."""
+        loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
+        async with contextlib.aclosing(loop.run()) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    def _round_loop(self, prompt, params, num_speculative_tokens, messages) -> RoundLoop:
+        prompt_ids = encode_prompt(self.tokenizer, prompt, messages)
+        request = prepare_request(prompt_ids, params or SamplingParams(), self.limits,
+                                  num_speculative_tokens)
+        return RoundLoop(self.transport, self.tokenizer, request, self.costs, self.config)

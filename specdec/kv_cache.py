@@ -1,0 +1,152 @@
+"""Per-session KV caches held by a draft or target replica: soft state, bounded in bytes.
+
+Each entry records the token ids its KV covers and the committed length the router last
+confirmed. A call names the committed prefix length it assumes (``prefix_len``) and the tokens
+committed since; when the entry is missing or covers a different committed length (evicted, the
+replica restarted, the session was served elsewhere), the call is a *miss* and the router resends
+the whole sequence. Committed sequences only grow, so a committed length identifies the prefix
+exactly, and the rebuilt cache gives the same output as the lost one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Callable, Sequence
+
+import torch
+from transformers import Cache
+
+from specdec.v1 import worker_pb2
+
+
+@dataclasses.dataclass
+class SessionEntry:
+    """One session's cache: ``cache`` holds the KV of ``cached_ids`` (in order)."""
+
+    cache: Cache
+    cached_ids: list[int] = dataclasses.field(default_factory=list)
+    committed: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+    def crop(self, length: int) -> None:
+        """Drops KV beyond the first ``length`` cached tokens."""
+        excess = len(self.cached_ids) - length
+        if excess > 0:
+            self.cache.crop(-excess)
+            del self.cached_ids[length:]
+
+
+@dataclasses.dataclass
+class ActiveSession:
+    """A session checked out for one call.
+
+    ``committed`` is the whole committed sequence; ``pending`` the committed tokens whose KV the
+    cache does not hold yet (at least one, so the call gets the logits after the last token).
+    """
+
+    session_id: str
+    entry: SessionEntry
+    committed: list[int]
+    pending: list[int]
+
+
+class SessionCacheStore:
+    """LRU of session caches bounded in bytes (sum of key and value tensor sizes).
+
+    Thread-safe for calls of different sessions; calls of one session must not overlap (the round
+    loop never overlaps them).
+    """
+
+    def __init__(self, capacity_bytes: int, new_cache: Callable[[], Cache]) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._new_cache = new_cache
+        self._entries: collections.OrderedDict[str, SessionEntry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self.evictions = 0
+        self.rebuilds = 0
+
+    def checkout(self, session: worker_pb2.SessionTokens) -> ActiveSession | None:
+        """Resolves a call's session; ``None`` when the entry cannot continue it (a miss).
+
+        With ``prefix_len == 0`` the call carries the whole sequence and never misses.
+        """
+        new_ids = list(session.new_token_ids)
+        with self._lock:
+            entry = self._entries.get(session.session_id)
+        if session.prefix_len == 0:
+            if entry is None:
+                entry = SessionEntry(cache=self._new_cache())
+            committed = new_ids
+        elif entry is not None and len(entry.committed) == session.prefix_len:
+            committed = entry.committed + new_ids
+        else:
+            self.rebuilds += 1  # the router resends the whole sequence and this replica rebuilds
+            return None
+        if not committed:
+            raise ValueError("a call must carry at least one committed token")
+        # Cached positions below the old committed length are committed tokens; only the tail
+        # (draft tokens fed in the last call) can disagree with the new sequence.
+        start = min(len(entry.committed), len(entry.cached_ids)) if session.prefix_len else 0
+        keep = min(_common_prefix(entry.cached_ids, committed, start), len(committed) - 1)
+        entry.crop(keep)
+        entry.committed = committed
+        return ActiveSession(session.session_id, entry, committed, committed[keep:])
+
+    def commit(self, active: ActiveSession) -> None:
+        """Stores the entry back as most recently used and evicts others past capacity."""
+        entry = active.entry
+        size = cache_nbytes(entry.cache)
+        with self._lock:
+            old = self._entries.pop(active.session_id, None)
+            self._bytes -= old.nbytes if old is not None else 0
+            entry.nbytes = size
+            self._entries[active.session_id] = entry
+            self._bytes += size
+            while self._bytes > self.capacity_bytes and self._entries:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+
+    def release(self, session_id: str) -> bool:
+        """Drops a session; False when it was not held."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+        return entry is not None
+
+    def evict(self, session_id: str) -> bool:
+        """Drops a session as if capacity had forced it out (counts as an eviction)."""
+        released = self.release(session_id)
+        self.evictions += int(released)
+        return released
+
+    def stats(self) -> worker_pb2.CacheStats:
+        with self._lock:
+            return worker_pb2.CacheStats(sessions=len(self._entries), bytes=self._bytes,
+                                         capacity_bytes=self.capacity_bytes,
+                                         evictions=self.evictions, rebuilds=self.rebuilds)
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by the key and value tensors of a transformers cache."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that the first ``start`` items agree."""
+    n = min(len(a), len(b))
+    i = min(start, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,156 @@
+"""Loading the draft and target models with transformers, offline, and checking they fit together.
+
+A model is named by a local Hugging Face directory, a model id already in the local Hugging Face
+cache, or a ``.gguf`` file (transformers dequantizes it on load). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer.
+
+    Attributes:
+        vocab_size: ids the tokenizer can produce. A model whose embedding is padded past it (Qwen's
+            152064 rows for 151936 ids) has the extra logits cut off, so padding ids are never
+            proposed or emitted.
+        context_limit: positions the model supports, in tokens.
+        eos_token_ids: ids that end generation (tokenizer EOS and the generation config's).
+    """
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    context_limit: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where from_pretrained should look: a directory or cached id, plus an optional GGUF file."""
+
+    location: str
+    gguf_file: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str | os.PathLike) -> "ModelSource":
+        path = Path(spec).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ModelLoadError(f"GGUF file not found: {path}")
+            return cls(str(path.parent), path.name)
+        if path.exists():
+            return cls(str(path))
+        return cls(str(spec))
+
+    def kwargs(self) -> dict:
+        kw: dict = {"local_files_only": True}
+        if self.gguf_file:
+            kw["gguf_file"] = self.gguf_file
+        return kw
+
+
+def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """Loads a tokenizer offline. Raises ModelLoadError when it is not on local disk."""
+    source = ModelSource.parse(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load tokenizer {spec!r} from local files "
+                             f"(specdec never downloads): {err}") from err
+
+
+def load_model(spec: str | os.PathLike, *, dtype: str = "float32",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Loads a causal LM and its tokenizer offline, in eval mode.
+
+    Args:
+        spec: local directory, cached model id, or path to a ``.gguf`` file.
+        dtype: "float32", "bfloat16" or "float16".
+        device: "cpu", "cuda", "cuda:N".
+    Raises:
+        ModelLoadError: not found locally, unknown dtype, or a vocabulary the tokenizer exceeds.
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source = ModelSource.parse(spec)
+    tokenizer = load_tokenizer(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
+                                                     **source.kwargs())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model {spec!r} from local files "
+                             f"(specdec never downloads): {err}") from err
+    model.to(device).eval()
+    vocab_size = len(tokenizer)
+    embedding_rows = model.get_output_embeddings().weight.shape[0]
+    if embedding_rows < vocab_size:
+        raise ModelLoadError(f"model {spec!r} has {embedding_rows} output rows but its tokenizer "
+                             f"has {vocab_size} ids")
+    return LoadedModel(name=str(spec), model=model, tokenizer=tokenizer, vocab_size=vocab_size,
+                       context_limit=_context_limit(model), eos_token_ids=_eos_ids(model, tokenizer))
+
+
+def load_model_pair(draft_spec: str | os.PathLike, target_spec: str | os.PathLike, *,
+                    dtype: str = "float32",
+                    device: str | torch.device = "cpu") -> tuple[LoadedModel, LoadedModel]:
+    """Loads (draft, target) and checks that they share a tokenizer (see check_same_tokenizer)."""
+    target = load_model(target_spec, dtype=dtype, device=device)
+    draft = load_model(draft_spec, dtype=dtype, device=device)
+    check_same_tokenizer(draft.tokenizer, target.tokenizer)
+    return draft, target
+
+
+def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedTokenizerBase) -> None:
+    """Raises ModelLoadError unless both tokenizers map every token string to the same id.
+
+    Speculative decoding compares token ids across the two models, so a draft whose tokenizer
+    differs would silently propose the wrong tokens.
+    """
+    draft_vocab, target_vocab = draft.get_vocab(), target.get_vocab()
+    if draft_vocab == target_vocab:
+        return
+    if len(draft_vocab) != len(target_vocab):
+        detail = f"{len(draft_vocab)} vs {len(target_vocab)} ids"
+    else:
+        token = next(t for t, i in draft_vocab.items() if target_vocab.get(t) != i)
+        detail = f"token {token!r} is id {draft_vocab[token]} vs {target_vocab.get(token)}"
+    raise ModelLoadError(f"draft and target must share a tokenizer; they differ: {detail}")
+
+
+def _context_limit(model: PreTrainedModel) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit:
+        raise ModelLoadError(f"{type(model).__name__} does not declare max_position_embeddings")
+    return int(limit)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)

@@ -1,0 +1,171 @@
+"""The round loop: drives one request's speculative rounds through a draft and a target.
+
+It is written once and runs over two transports: in-process calls (SpeculativeEngine) and Ray
+Serve deployment handles (the router deployment). Each round is two calls: ``propose`` on the
+draft, then ``verify`` on the target; the loop commits what the target returns, applies the stop
+rules, and chooses the next k.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import AsyncIterator, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from specdec.adaptive import CostModel, KController
+from specdec.request import PreparedRequest
+from specdec.stats import SpeculationStats, StatsRecorder
+from specdec.stopping import Delta, StopChecker
+from specdec.v1 import worker_pb2
+
+
+class Transport(Protocol):
+    """How the loop reaches the draft and target sides."""
+
+    async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse: ...
+
+    async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse: ...
+
+    async def release(self, session_id: str) -> None:
+        """Drops the session on both sides; must not raise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """k_max: largest k; draft_top_n: the draft's q truncation (0 = whole vocabulary)."""
+
+    k_max: int
+    draft_top_n: int = 64
+
+
+@dataclasses.dataclass
+class Completion:
+    """The finished request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float]
+    prompt_tokens: int
+    stats: SpeculationStats
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class RoundLoop:
+    """Runs one request. Iterate ``run()`` for one Delta per round; then read ``completion``.
+
+    Args:
+        transport: the draft and target sides.
+        tokenizer: detokenizes the completion for the stop rules and the text.
+        request: the validated request.
+        costs: measured step costs, shared across requests.
+        config: k_max and the draft's q truncation.
+    """
+
+    def __init__(self, transport: Transport, tokenizer: PreTrainedTokenizerBase,
+                 request: PreparedRequest, costs: CostModel, config: LoopConfig) -> None:
+        self._transport = transport
+        self._request = request
+        self._config = config
+        params = request.params
+        self._sampling = worker_pb2.SamplingConfig(temperature=params.temperature,
+                                                   top_k=params.top_k, top_p=params.top_p,
+                                                   seed=request.seed)
+        self._checker = StopChecker(tokenizer, request.max_new_tokens, request.stop_token_ids,
+                                    params.stop)
+        self._controller = KController(costs, config.k_max, fixed_k=request.num_speculative_tokens)
+        self._recorder = StatsRecorder(config.k_max)
+        self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
+        self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
+        self.completion: Completion | None = None
+
+    async def run(self) -> AsyncIterator[Delta]:
+        """Yields each round's Delta; releases the session on both sides however it ends."""
+        try:
+            delta = await self._prefill()
+            yield delta
+            while delta.finish_reason is None:
+                delta = await self._round()
+                yield delta
+            self._finish()
+        finally:
+            # Shielded: a cancelled request must still free both caches.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(self._transport.release(self._request.session_id))
+
+    async def _prefill(self) -> Delta:
+        """Builds both caches concurrently; the target's prefill also yields the first token."""
+        calls = [self._verify([], None)]
+        if self._request.num_speculative_tokens != 0:
+            calls.append(self._propose(0))
+        results = await asyncio.gather(*calls)
+        verified = results[0]
+        draft_s = results[1].compute_s if len(results) > 1 else 0.0
+        self._recorder.prefill(draft_s, verified.compute_s)
+        return self._commit(verified)
+
+    async def _round(self) -> Delta:
+        k = self._controller.choose(self._checker.remaining - 1)
+        start = time.perf_counter()
+        draft_s, drafts, q = 0.0, [], None
+        if k > 0:
+            proposal = await self._propose(k)
+            draft_s, drafts = proposal.compute_s, list(proposal.token_ids)
+            q = proposal.q if proposal.HasField("q") else None
+        verified = await self._verify(drafts, q)
+        overhead_s = time.perf_counter() - start - draft_s - verified.compute_s
+        self._controller.observe(k, verified.num_accepted, draft_s, verified.compute_s, overhead_s)
+        self._recorder.round(k, verified.num_accepted, draft_s, verified.compute_s, overhead_s)
+        return self._commit(verified)
+
+    def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
+        delta = self._checker.append(list(verified.token_ids), list(verified.logprobs))
+        self._ids.extend(delta.token_ids)
+        return delta
+
+    async def _propose(self, k: int) -> worker_pb2.ProposeResponse:
+        request = worker_pb2.ProposeRequest(num_speculative_tokens=k, sampling=self._sampling,
+                                            draft_top_n=self._config.draft_top_n)
+        return await self._call("draft", self._transport.propose, request)
+
+    async def _verify(self, drafts: list[int],
+                      q: worker_pb2.SparseDistribution | None) -> worker_pb2.VerifyResponse:
+        request = worker_pb2.VerifyRequest(draft_token_ids=drafts, sampling=self._sampling)
+        if q is not None:
+            request.q.CopyFrom(q)
+        return await self._call("target", self._transport.verify, request)
+
+    async def _call(self, side: str, method, request):
+        """Sends the tokens committed since the side's last call; on a cache miss, resends the
+        whole committed sequence so the replica rebuilds the session."""
+        known = self._known[side]
+        self._set_session(request, known)
+        response = await method(request)
+        if response.cache_miss and known:
+            self._set_session(request, 0)
+            response = await method(request)
+        if response.cache_miss:
+            raise RuntimeError(f"{side} replica refused a full-sequence call for session "
+                               f"{self._request.session_id}")
+        self._known[side] = len(self._ids)
+        return response
+
+    def _set_session(self, request, prefix_len: int) -> None:
+        request.session.CopyFrom(worker_pb2.SessionTokens(
+            session_id=self._request.session_id, prefix_len=prefix_len,
+            new_token_ids=self._ids[prefix_len:]))
+
+    def _finish(self) -> None:
+        checker = self._checker
+        self.completion = Completion(
+            token_ids=list(checker.token_ids), text=checker.text,
+            finish_reason=checker.finish_reason, logprobs=list(checker.logprobs),
+            prompt_tokens=len(self._request.prompt_ids),
+            stats=self._recorder.finish(len(checker.token_ids)))

@@ -1,0 +1,117 @@
+"""Stop rules applied to each block of committed tokens, and the text streamed so far.
+
+A round commits a block of up to k + 1 tokens at once; generation must still stop exactly where
+token-by-token decoding would: at an EOS or stop token (kept in ``token_ids``, left out of the
+text), when a stop string completes (the text ends before it, ``token_ids`` end with the token
+that completed it), at ``max_new_tokens``, or at the context limit. Everything is checked token
+by token inside the block, so the result does not depend on how tokens were grouped in rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+STOP = "stop"
+LENGTH = "length"
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one block added: its kept tokens, their log-probabilities, and new safe text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+
+
+class StopChecker:
+    """Accumulates the completion and applies the stop rules block by block.
+
+    Args:
+        tokenizer: detokenizes the completion (special tokens skipped).
+        max_new_tokens: completion tokens allowed, already capped by the context limit; reaching
+            it ends with ``finish_reason="length"``.
+        stop_token_ids: EOS ids and the request's stop token ids.
+        stop: stop strings.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                 stop_token_ids: Iterable[int], stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self._stop_ids = frozenset(stop_token_ids)
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self._streamed = 0  # characters of text already handed out
+        self._text_tokens = 0  # leading tokens of token_ids that make up the text
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be committed."""
+        return self.max_new_tokens - len(self.token_ids)
+
+    def append(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> Delta:
+        """Commits a block, trimmed at the first stop; returns what it adds."""
+        if self.finish_reason is not None:
+            raise RuntimeError("append after the completion finished")
+        block = list(token_ids[: self.remaining])
+        stop_at = next((i for i, t in enumerate(block) if t in self._stop_ids), None)
+        if stop_at is not None:
+            block = block[: stop_at + 1]
+        start = len(self.token_ids)
+        self.token_ids.extend(block)
+        self.logprobs.extend(logprobs[: len(block)])
+        self._text_tokens = len(self.token_ids) - (stop_at is not None)
+        full_text = self._decode(self._text_tokens)
+        if self._stop:
+            cut = self._find_stop(full_text, start)
+            if cut is not None:
+                full_text, stop_at = cut
+        if stop_at is not None:
+            self.finish_reason = STOP
+        elif self.remaining == 0:
+            self.finish_reason = LENGTH
+        self.text = full_text
+        return Delta(self.token_ids[start:], self.logprobs[start:], self._take_text(), self.finish_reason)
+
+    def _find_stop(self, text: str, block_start: int) -> tuple[str, int] | None:
+        """Earliest stop string completed in this block: (text before it, its last token index)."""
+        search_from = max(0, len(self._decode(block_start)) - self._holdback)
+        hits = [(i, s) for s in self._stop if (i := text.find(s, search_from)) >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        end = index + len(stop)
+        # The shortest prefix of the completion whose text contains the whole stop string.
+        last = next(n for n in range(block_start + 1, self._text_tokens + 1)
+                    if len(self._decode(n)) >= end)
+        del self.token_ids[last:]
+        del self.logprobs[last:]
+        self._text_tokens = last
+        return text[:index], last - 1
+
+    def _take_text(self) -> str:
+        """New text that can no longer change: held back are a possible stop-string prefix and an
+        incomplete UTF-8 sequence (decoded as U+FFFD until its last byte arrives)."""
+        safe = len(self.text)
+        if self.finish_reason is None:
+            safe -= self._holdback
+            while safe > 0 and self.text[safe - 1] == "\ufffd":
+                safe -= 1
+        if safe <= self._streamed:
+            return ""
+        delta = self.text[self._streamed:safe]
+        self._streamed = safe
+        return delta
+
+    def _decode(self, num_tokens: int) -> str:
+        return self._tokenizer.decode(self.token_ids[:num_tokens], skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)

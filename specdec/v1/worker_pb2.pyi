@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionTokens(_message.Message):
+    __slots__ = ("session_id", "prefix_len", "new_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prefix_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingConfig(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("width", "token_ids", "probs")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session", "num_speculative_tokens", "sampling", "draft_top_n")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOP_N_FIELD_NUMBER: _ClassVar[int]
+    session: SessionTokens
+    num_speculative_tokens: int
+    sampling: SamplingConfig
+    draft_top_n: int
+    def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., draft_top_n: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("cache_miss", "token_ids", "q", "compute_s")
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    cache_miss: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: SparseDistribution
+    compute_s: float
+    def __init__(self, cache_miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session", "draft_token_ids", "q", "sampling")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session: SessionTokens
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: SparseDistribution
+    sampling: SamplingConfig
+    def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("cache_miss", "num_accepted", "token_ids", "logprobs", "compute_s")
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    cache_miss: bool
+    num_accepted: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    compute_s: float
+    def __init__(self, cache_miss: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class CacheStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("sessions", "bytes", "capacity_bytes", "evictions", "rebuilds")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    bytes: int
+    capacity_bytes: int
+    evictions: int
+    rebuilds: int
+    def __init__(self, sessions: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., rebuilds: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,67 @@
+"""The target side: scores k draft tokens in one forward pass and decides which to keep."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.sampling import processed_probs, request_generator, sparse_to_dense
+from specdec.session_model import SessionModel
+from specdec.speculative import verify_greedy, verify_sampled
+from specdec.v1 import worker_pb2
+
+TARGET_STREAM = "target"
+
+
+class TargetVerifier(SessionModel):
+    """Runs the target model over session caches (see SessionModel for the arguments)."""
+
+    def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
+        """Runs the pending committed tokens plus the k draft tokens in one forward pass.
+
+        The k + 1 trailing positions give the target's distributions at each draft position and
+        after the last one; speculative.verify_greedy / verify_sampled pick the accepted prefix and
+        the token that follows it. With no draft tokens this is one plain decode step (and, on an
+        empty cache, the prefill that yields the first token). The cache keeps the committed
+        tokens and the accepted draft tokens; the rejected ones are cropped.
+
+        Returned log-probabilities are under the target's raw distribution (before temperature,
+        top-k and top-p).
+        """
+        start = time.perf_counter()
+        with self.session(request.session) as active:
+            if active is None:
+                return worker_pb2.VerifyResponse(cache_miss=True)
+            drafts = list(request.draft_token_ids)
+            k = len(drafts)
+            logits = self.feed(active, active.pending + drafts, num_logits=k + 1).float()
+            draft_ids = torch.tensor(drafts, dtype=torch.long)
+            sampling = request.sampling
+            if sampling.temperature == 0:
+                num_accepted, next_token = verify_greedy(draft_ids, logits)
+            else:
+                num_accepted, next_token = self._verify_sampled(request, draft_ids, logits,
+                                                                len(active.committed))
+            active.entry.crop(len(active.committed) + num_accepted)
+        emitted = drafts[:num_accepted] + [next_token]
+        logprobs = torch.log_softmax(logits[: num_accepted + 1], dim=-1)
+        emitted_logprobs = logprobs[torch.arange(num_accepted + 1), torch.tensor(emitted)]
+        return worker_pb2.VerifyResponse(num_accepted=num_accepted, token_ids=emitted,
+                                         logprobs=emitted_logprobs.tolist(),
+                                         compute_s=time.perf_counter() - start)
+
+    def _verify_sampled(self, request: worker_pb2.VerifyRequest, draft_ids: torch.Tensor,
+                        logits: torch.Tensor, position: int) -> tuple[int, int]:
+        sampling = request.sampling
+        p = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        k = draft_ids.shape[0]
+        q = torch.empty(0, p.shape[-1])
+        if k:
+            if request.q.width == 0 or len(request.q.probs) != k * request.q.width:
+                raise ValueError(f"q must hold {k} rows for {k} draft tokens")
+            q_ids = torch.tensor(request.q.token_ids, dtype=torch.long).view(k, -1)
+            q_probs = torch.tensor(request.q.probs, dtype=torch.float32).view(k, -1)
+            q = sparse_to_dense(q_ids, q_probs, p.shape[-1])
+        generator = request_generator(sampling.seed, TARGET_STREAM, position)
+        return verify_sampled(draft_ids, q, p, generator)
