@@ -46,6 +46,17 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return fast
 
 
+def build_word_tokenizer(vocab_size: int = 32) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``vocab_size`` made-up words: small enough that a sampling test
+    sees every token often."""
+    words = [EOS] + [f"w{i}" for i in range(vocab_size - 1)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=EOS))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def build_model(tokenizer: PreTrainedTokenizerFast, *, seed: int, layers: int = 2, hidden: int = 32,
                 context_limit: int = 256, pad_vocab: int = 0, init_std: float = 0.15) -> LlamaForCausalLM:
     """A random Llama. ``pad_vocab`` extra embedding rows mimic Qwen's padded vocabulary."""
@@ -71,9 +82,9 @@ def perturbed_copy(model: LlamaForCausalLM, *, seed: int, noise: float) -> Llama
 
 
 def save_pair(root: Path, *, noise: float = 0.3, context_limit: int = 256, pad_vocab: int = 0,
-              seed: int = 0, vocab_size: int = 320) -> tuple[Path, Path]:
+              seed: int = 0, vocab_size: int = 320, word_level: bool = False) -> tuple[Path, Path]:
     """Writes (draft_dir, target_dir) as Hugging Face directories and returns them."""
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_word_tokenizer(vocab_size) if word_level else build_tokenizer(vocab_size)
     target = build_model(tokenizer, seed=seed, context_limit=context_limit, pad_vocab=pad_vocab)
     draft = perturbed_copy(target, seed=seed + 1, noise=noise)
     paths = root / "draft", root / "target"

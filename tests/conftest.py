@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny random model pairs built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import SpeculativeEngine
+from tiny_models import save_pair
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(draft_dir, target_dir): a BPE tokenizer, a draft that agrees with the target often, and a
+    target whose embedding is padded past the tokenizer (like Qwen's)."""
+    return save_pair(tmp_path_factory.mktemp("tiny"), noise=0.05, pad_vocab=7)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_pair):
+    draft, target = tiny_pair
+    return SpeculativeEngine.from_pretrained(draft, target)

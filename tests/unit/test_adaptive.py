@@ -1,0 +1,64 @@
+"""Choosing k from acceptance and measured costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.adaptive import PROBE_EVERY, AcceptanceEstimator, CostModel, KController, expected_tokens
+
+
+@pytest.mark.parametrize("a, k, expected", [(0.0, 5, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.8, 0, 1.0)])
+def test_expected_tokens_per_round(a, k, expected):
+    assert expected_tokens(a, k) == pytest.approx(expected)
+
+
+def _controller(acceptance, verify_s, draft_per_token, k_max=8):
+    """A controller whose costs were measured at every k and whose acceptance has converged."""
+    costs = CostModel(k_max)
+    for k in range(k_max + 1):
+        for _ in range(30):
+            costs.observe(k, draft_per_token * k, verify_s(k), 0.001)
+    controller = KController(costs, k_max)
+    for _ in range(200):
+        controller.acceptance.observe(4, round(4 * acceptance) if acceptance < 1 else 4)
+    return controller
+
+
+def test_flat_verify_and_high_acceptance_choose_large_k():
+    controller = _controller(1.0, lambda k: 0.1, draft_per_token=0.005)
+    assert controller.choose(limit=100) == 8
+
+
+def test_expensive_draft_and_low_acceptance_choose_plain_decoding():
+    controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
+    assert controller.choose(limit=100) == 0
+
+
+def test_measured_verify_cost_per_k_drives_the_choice():
+    # DESIGN.md's CPU numbers: verifying 2 tokens costs less than 1; 4 costs twice as much.
+    table = {0: 0.243, 1: 0.243, 2: 0.214, 3: 0.34, 4: 0.465, 5: 0.464, 6: 0.463, 7: 0.52, 8: 0.583}
+    controller = _controller(0.5, table.__getitem__, draft_per_token=0.02)
+    assert controller.choose(limit=100) == 2
+
+
+def test_limit_caps_k_and_fixed_k_is_respected():
+    controller = _controller(1.0, lambda k: 0.1, draft_per_token=0.001)
+    assert controller.choose(limit=3) == 3
+    assert controller.choose(limit=0) == 0
+    fixed = KController(CostModel(8), 8, fixed_k=5)
+    assert fixed.choose(limit=100) == 5 and fixed.choose(limit=2) == 2
+
+
+def test_plain_decoding_probes_speculation_again():
+    controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
+    for _ in range(PROBE_EVERY):
+        assert controller.choose(limit=100) == 0
+        controller.observe(0, 0, 0.0, 0.1, 0.001)
+    assert controller.choose(limit=100) == 1
+
+
+def test_acceptance_estimate_is_the_truncated_geometric_mle():
+    estimator = AcceptanceEstimator()
+    for _ in range(500):
+        estimator.observe(4, 2)  # two accepted, then a rejection: a = 2 / 3
+    assert estimator.rate == pytest.approx(2 / 3, abs=0.01)

@@ -1,0 +1,107 @@
+"""Speculative sampling through the engine follows the target's distribution.
+
+Completion position 1 comes from the target's prefill; positions 2 and 3 come from the first
+speculative round (with k = 1, position 3 is the bonus token whenever position 2 is accepted;
+with k = 2 both are draft positions). Their empirical distributions over thousands of seeded
+samples are compared, by a chi-square goodness-of-fit test, with the exact marginals of
+target-only sampling, computed by enumerating every prefix with the target model (vocabulary of
+32). The draft is far from the target (total variation about 0.5), so rejections are frequent and
+a wrong residual shows. Seeds are fixed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec import SamplingParams, SpeculativeEngine, speculative
+from specdec.sampling import processed_probs
+from tiny_models import save_pair
+
+N = 2000
+PROMPT = "w1 w2 w3"
+VOCAB = 32
+END = VOCAB  # extra category: the completion ended (EOS) before this position
+
+
+@pytest.fixture(scope="module")
+def far_engine(tmp_path_factory):
+    draft, target = save_pair(tmp_path_factory.mktemp("far"), noise=0.8, word_level=True,
+                              vocab_size=VOCAB)
+    torch.set_num_threads(1)  # tiny models: threads only add overhead
+    return SpeculativeEngine.from_pretrained(draft, target)
+
+
+def _sampled(engine, k, params, seeds):
+    """[2, VOCAB + 1] counts of the tokens at completion positions 2 and 3."""
+    counts = np.zeros((2, VOCAB + 1))
+    for seed in seeds:
+        tokens = engine.generate(PROMPT, SamplingParams(max_new_tokens=3, seed=seed, **params), k).token_ids
+        for row in range(2):
+            counts[row, tokens[row + 1] if len(tokens) > row + 1 else END] += 1
+    return counts
+
+
+@torch.inference_mode()
+def _exact(engine, params):
+    """[2, VOCAB + 1] exact target-only marginals of positions 2 and 3 (END absorbs EOS)."""
+    prompt = engine.tokenizer.encode(PROMPT)
+    eos = engine.tokenizer.eos_token_id
+
+    def next_probs(prefixes):
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        logits = engine.target.model(ids).logits[:, -1, :VOCAB]
+        return processed_probs(logits, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0)).double()
+
+    p1 = next_probs([()])[0]
+    p2 = next_probs([(t,) for t in range(VOCAB)])                     # [t1, t2]
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    p3 = next_probs(pairs).view(VOCAB, VOCAB, VOCAB)                  # [t1, t2, t3]
+    alive1 = p1.clone()
+    alive1[eos] = 0.0
+    marginal2 = torch.cat([alive1 @ p2, p1[eos].view(1)])
+    joint12 = alive1[:, None] * p2
+    alive12 = joint12.clone()
+    alive12[:, eos] = 0.0
+    marginal3 = torch.einsum("ab,abc->c", alive12, p3)
+    ended3 = p1[eos] + joint12[:, eos].sum()
+    return torch.stack([marginal2, torch.cat([marginal3, ended3.view(1)])]).numpy()
+
+
+def _fit_pvalue(observed, probs):
+    """Chi-square goodness of fit; categories expected fewer than 5 times are pooled."""
+    expected = probs / probs.sum() * observed.sum()
+    rare = expected < 5
+    observed = np.append(observed[~rare], observed[rare].sum())
+    expected = np.append(expected[~rare], expected[rare].sum())
+    keep = expected > 0
+    return stats.chisquare(observed[keep], expected[keep]).pvalue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params, ks", [
+    ({"temperature": 1.0}, (1, 2)),
+    ({"temperature": 1.0, "top_k": 5}, (2,)),
+    ({"temperature": 0.8, "top_p": 0.7}, (1,)),
+], ids=["temperature", "top_k", "top_p"])
+def test_speculative_sampling_matches_target_only_sampling(far_engine, params, ks):
+    exact = _exact(far_engine, params)
+    for k in ks:
+        sampled = _sampled(far_engine, k, params, range(N))
+        for position in range(2):
+            pvalue = _fit_pvalue(sampled[position], exact[position])
+            assert pvalue > 1e-3, (k, position, pvalue)
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_wrong_residual(far_engine, monkeypatch):
+    """The same test, run against resampling from p after a rejection, must fail."""
+    params = {"temperature": 1.0}
+    exact = _exact(far_engine, params)
+    monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
+    broken = _sampled(far_engine, 1, params, range(N))
+    assert _fit_pvalue(broken[0], exact[0]) < 1e-6
