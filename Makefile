@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# Regenerates specdec/v1/*_pb2*.py from protos/ (tests/unit/test_protos.py fails on drift).
 protos: install
-	$(PY) -m specdec.protogen
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto
 
 test: install
 	$(PY) -m pytest -q

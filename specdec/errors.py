@@ -9,6 +9,11 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):
+        # Ray ships exceptions between processes by pickling them.
+        return type(self), (self.field, self.message)
 
 
 class ModelLoadError(RuntimeError):

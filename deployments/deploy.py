@@ -1,0 +1,68 @@
+"""Deploying a Serve config file to a running Ray cluster from Python.
+
+This is what ``serve run CONFIG`` does, without blocking and without the dashboard's REST API
+(``serve deploy`` needs it; tests and the local cluster run without a dashboard).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from ray import serve
+from ray.serve._private import api as serve_api
+from ray.serve.config import gRPCOptions
+from ray.serve.schema import ServeDeploySchema
+
+APPLICATION = "specdec"
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeDeploySchema:
+    """Parses and validates a Serve config; ``overrides`` update the specdec app's args.
+
+    Raises:
+        FileNotFoundError, pydantic.ValidationError (with the offending field).
+    """
+    raw = yaml.safe_load(Path(path).read_text())
+    for app in raw.get("applications", []):
+        if app.get("name") == APPLICATION and overrides:
+            app.setdefault("args", {}).update(overrides)
+    return ServeDeploySchema.model_validate(raw)
+
+
+def deploy(path: str | Path, address: str | None = None, overrides: dict[str, Any] | None = None,
+           timeout_s: float = 600.0) -> None:
+    """Deploys the config to the cluster at ``address`` and waits until it is RUNNING.
+
+    Raises:
+        RuntimeError: an application failed to deploy (with Serve's message) or was not RUNNING
+            within timeout_s seconds.
+    """
+    config = load_config(path, overrides)
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    client = serve_api.serve_start(
+        http_options=config.http_options.model_dump(),
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        proxy_location=config.proxy_location)
+    client.deploy_apps(config, _blocking=False)
+    wait_running([app.name for app in config.applications], timeout_s)
+
+
+def wait_running(names: list[str], timeout_s: float) -> None:
+    """Waits until every named application is RUNNING. Raises RuntimeError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = {name: apps[name].status if name in apps else "NOT_STARTED" for name in names}
+        failed = [name for name, state in states.items() if state == "DEPLOY_FAILED"]
+        if failed:
+            raise RuntimeError(f"application {failed[0]} failed to deploy: {apps[failed[0]].message}")
+        if all(state == "RUNNING" for state in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"applications not RUNNING after {timeout_s:.0f} s: {states}")
+        time.sleep(1.0)

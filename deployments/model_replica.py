@@ -1,0 +1,82 @@
+"""What the draft and target deployments share: one model, its session caches, one compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Callable, TypeVar
+
+from specdec.models import load_model
+from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
+from specdec.v1 import worker_pb2
+from specdec.deployments.metrics import ReplicaMetrics
+
+log = logging.getLogger("ray.serve")
+Response = TypeVar("Response")
+
+# Session affinity: calls carrying the same session_id go to the same replica while the replica
+# set is stable; when it changes, the replica that misses answers cache_miss and rebuilds.
+CONSISTENT_HASH_ROUTER = {
+    "request_router_class": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    "request_router_kwargs": {"num_virtual_nodes": 100, "num_fallback_replicas": 2},
+}
+
+
+class ModelReplica:
+    """Loads one model (offline) and serves calls on it from a single compute thread.
+
+    Model calls are serialised: concurrent forwards on one device only contend, and the event
+    loop stays free for health checks, releases and the transport while a forward runs.
+
+    Args:
+        side_cls: DraftProposer or TargetVerifier.
+        model: local directory, cached model id, or .gguf path.
+        dtype, device: as specdec.models.load_model.
+        cache_capacity_bytes: bound of this replica's session KV caches.
+    """
+
+    def __init__(self, side_cls: type[SessionModel], model: str, dtype: str = "float32",
+                 device: str = "cpu",
+                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES) -> None:
+        loaded = load_model(model, dtype=dtype, device=device)
+        self.side = side_cls(loaded, cache_capacity_bytes)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                               thread_name_prefix="model")
+        self._metrics = ReplicaMetrics()
+        log.info("loaded %s (%s, %s) with a %d-byte session cache", model, dtype, device,
+                 cache_capacity_bytes)
+
+    async def _compute(self, method: str, fn: Callable[..., Response], request) -> Response:
+        response = await asyncio.get_running_loop().run_in_executor(self._executor, fn, request)
+        self._metrics.compute.observe(response.compute_s, tags={"method": method})
+        if response.cache_miss:
+            self._metrics.rebuilds.inc()
+        self._report_cache()
+        return response
+
+    async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
+        response = self.side.release(request)
+        self._report_cache()
+        return response
+
+    async def cache_stats(self, request: worker_pb2.CacheStatsRequest | None = None
+                          ) -> worker_pb2.CacheStats:
+        return self.side.cache_stats()
+
+    async def model_info(self) -> dict:
+        """vocab_size, context_limit (tokens), eos_token_ids and name of the model."""
+        loaded = self.side.loaded
+        return {"name": loaded.name, "vocab_size": loaded.vocab_size,
+                "context_limit": loaded.context_limit, "eos_token_ids": sorted(loaded.eos_token_ids)}
+
+    async def replica_id(self) -> str:
+        """This replica's Serve id (tests and operators use it to find a session's replica)."""
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+
+    def _report_cache(self) -> None:
+        stats = self.side.cache_stats()
+        self._metrics.sessions.set(stats.sessions)
+        self._metrics.cache_bytes.set(stats.bytes)

@@ -1,0 +1,275 @@
+"""The router deployment: the public gRPC endpoint, running every request's speculative rounds.
+
+It holds no model weights, only the tokenizer. Each request runs specdec.round_loop.RoundLoop
+over a HandleTransport: Serve deployment handles to the draft and target deployments, bound to
+the request's session id (ConsistentHashRouter keeps a session on one replica) and using Serve's
+per-replica gRPC transport (``_by_reference=False``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
+
+from specdec.adaptive import CostModel
+from specdec.errors import InvalidRequestError
+from specdec.models import check_same_tokenizer, load_tokenizer
+from specdec.request import AUTO, ModelLimits, encode_prompt, prepare_request
+from specdec.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from specdec.stopping import Delta
+from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.deployments.metrics import RouterMetrics
+
+log = logging.getLogger("ray.serve")
+
+
+class ServiceUnavailable(RuntimeError):
+    """No draft or target replica answered in time; the router answers UNAVAILABLE."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterOptions:
+    """Router settings, from the application's args.
+
+    Attributes:
+        draft_model, target_model: what the draft and target deployments load (the router loads
+            only their tokenizers).
+        max_speculative_tokens: k_max.
+        draft_top_n: the draft samples from its top-N tokens (0 = whole vocabulary).
+        call_timeout_s: seconds one propose or verify may take before it is retried elsewhere.
+        unavailable_after_s: seconds of failed retries after which a request gets UNAVAILABLE.
+        draft_pool, target_pool: the Ray custom resources of the two deployments (reported by
+            GetModelInfo).
+    """
+
+    draft_model: str
+    target_model: str
+    max_speculative_tokens: int = 8
+    draft_top_n: int = 64
+    call_timeout_s: float = 300.0
+    unavailable_after_s: float = 30.0
+    draft_pool: str = "draft_pool"
+    target_pool: str = "target_pool"
+
+
+class HandleTransport:
+    """The round loop's transport over Serve handles, for one session.
+
+    A call that fails because its replica died (RayActorError) or did not answer within
+    ``call_timeout_s`` is retried; Serve routes the retry to a live replica, which answers
+    cache_miss, and the round loop resends the whole sequence so that replica rebuilds the
+    session. Draws are keyed by position, so a retried call gives the same tokens.
+    """
+
+    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, session_id: str,
+                 options: RouterOptions) -> None:
+        self._draft = draft.options(session_id=session_id)
+        self._target = target.options(session_id=session_id)
+        self._options = options
+
+    async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
+        return await self._call(self._draft, "propose", request)
+
+    async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
+        return await self._call(self._target, "verify", request)
+
+    async def release(self, session_id: str) -> None:
+        request = worker_pb2.ReleaseRequest(session_id=session_id)
+        calls = [asyncio.wait_for(handle.release.remote(request), self._options.call_timeout_s)
+                 for handle in (self._draft, self._target)]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.warning("release of session %s failed: %r", session_id, result)
+
+    async def _call(self, handle: DeploymentHandle, method: str, request):
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._options.unavailable_after_s
+        delay = 0.05
+        while True:
+            try:
+                return await asyncio.wait_for(getattr(handle, method).remote(request),
+                                              self._options.call_timeout_s)
+            except (RayActorError, asyncio.TimeoutError) as err:
+                if loop.time() + delay >= give_up:
+                    raise ServiceUnavailable(f"{handle.deployment_name}.{method}: no replica "
+                                             f"answered ({type(err).__name__})") from err
+                log.warning("%s.%s failed (%r); retrying", handle.deployment_name, method, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
+    """SamplingParams from a GenerateRequest (unset fields take the defaults).
+
+    Raises:
+        InvalidRequestError naming the field.
+    """
+    def get(field, default):
+        return getattr(request, field) if request.HasField(field) else default
+
+    return SamplingParams(max_new_tokens=get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+                          temperature=get("temperature", 0.0), top_k=get("top_k", 0),
+                          top_p=get("top_p", 1.0), seed=get("seed", None), stop=list(request.stop),
+                          stop_token_ids=list(request.stop_token_ids))
+
+
+def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failed request answers with; the message never carries a traceback."""
+    if isinstance(err, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, ServiceUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+class SpeculativeRouter:
+    """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health).
+
+    Args:
+        draft, target: handles of the DraftModel and TargetModel deployments.
+        **options: RouterOptions fields.
+    """
+
+    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, **options) -> None:
+        self.options = RouterOptions(**options)
+        self.tokenizer = load_tokenizer(self.options.target_model)
+        check_same_tokenizer(load_tokenizer(self.options.draft_model), self.tokenizer)
+        self.draft = draft.options(_by_reference=False)
+        self.target = target.options(_by_reference=False)
+        self.costs = CostModel(self.options.max_speculative_tokens)
+        self.config = LoopConfig(k_max=self.options.max_speculative_tokens,
+                                 draft_top_n=self.options.draft_top_n)
+        self.metrics = RouterMetrics()
+        self._info: tuple[dict, dict] | None = None
+
+    async def Generate(self, request: specdec_pb2.GenerateRequest,
+                       grpc_context: RayServegRPCContext) -> specdec_pb2.GenerateResponse:
+        """Unary generation: the whole completion with usage and stats."""
+        start = time.perf_counter()
+        try:
+            loop = await self._round_loop(request)
+            async with contextlib.aclosing(loop.run()) as deltas:
+                async for _ in deltas:
+                    pass
+        except Exception as err:  # noqa: BLE001 - every failure becomes a gRPC status
+            self._fail("Generate", err, grpc_context)
+            return specdec_pb2.GenerateResponse()
+        self._succeed("Generate", loop.completion, start)
+        return _response(loop.completion, request.logprobs)
+
+    async def GenerateStream(self, request: specdec_pb2.GenerateRequest,
+                             grpc_context: RayServegRPCContext
+                             ) -> AsyncIterator[specdec_pb2.GenerateResponse]:
+        """One message per round with its new tokens and text; the last adds finish reason,
+        usage and stats. A client cancel or deadline stops the rounds and releases the session."""
+        start = time.perf_counter()
+        try:
+            loop = await self._round_loop(request)
+            async with contextlib.aclosing(loop.run()) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason is None:
+                        yield _delta_message(delta, request.logprobs)
+        except asyncio.CancelledError:
+            self.metrics.record_request("GenerateStream", "CANCELLED")
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._fail("GenerateStream", err, grpc_context)
+            raise  # a stream only reports its status code by raising
+        final = _delta_message(delta, request.logprobs)
+        _add_summary(final, loop.completion)
+        self._succeed("GenerateStream", loop.completion, start)
+        yield final
+
+    async def GetModelInfo(self, request: specdec_pb2.ModelInfoRequest,
+                           grpc_context: RayServegRPCContext) -> specdec_pb2.ModelInfo:
+        try:
+            draft, target = await self._model_info()
+        except Exception as err:  # noqa: BLE001
+            self._fail("GetModelInfo", err, grpc_context)
+            return specdec_pb2.ModelInfo()
+        o = self.options
+        return specdec_pb2.ModelInfo(
+            draft_model=draft["name"], target_model=target["name"], vocab_size=target["vocab_size"],
+            draft_context_limit=draft["context_limit"], target_context_limit=target["context_limit"],
+            context_limit=min(draft["context_limit"], target["context_limit"]),
+            draft_pool=o.draft_pool, target_pool=o.target_pool,
+            max_speculative_tokens=o.max_speculative_tokens)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1: SERVING while the router runs (Serve restarts an unhealthy one)."""
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest):
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def _round_loop(self, request: specdec_pb2.GenerateRequest) -> RoundLoop:
+        """Validates and tokenizes; raises InvalidRequestError naming the field."""
+        params = sampling_params(request)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt_ids = encode_prompt(self.tokenizer, request.prompt or None, messages or None)
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else AUTO
+        prepared = prepare_request(prompt_ids, params, await self._limits(), k)
+        transport = HandleTransport(self.draft, self.target, prepared.session_id, self.options)
+        return RoundLoop(transport, self.tokenizer, prepared, self.costs, self.config)
+
+    async def _model_info(self) -> tuple[dict, dict]:
+        if self._info is None:
+            timeout = self.options.unavailable_after_s
+            try:
+                self._info = tuple(await asyncio.wait_for(asyncio.gather(
+                    self.draft.model_info.remote(), self.target.model_info.remote()), timeout))
+            except (RayActorError, asyncio.TimeoutError) as err:
+                raise ServiceUnavailable(f"draft or target deployment not answering: {err!r}") from err
+        return self._info
+
+    async def _limits(self) -> ModelLimits:
+        draft, target = await self._model_info()
+        return ModelLimits(vocab_size=target["vocab_size"],
+                           context_limit=min(draft["context_limit"], target["context_limit"]),
+                           max_speculative_tokens=self.options.max_speculative_tokens,
+                           eos_token_ids=frozenset(target["eos_token_ids"]))
+
+    def _fail(self, method: str, err: Exception, grpc_context: RayServegRPCContext):
+        code, details = grpc_status(err)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+        self.metrics.record_request(method, code.name)
+        return code, details
+
+    def _succeed(self, method: str, completion: Completion, start: float) -> None:
+        self.metrics.record_request(method, "OK")
+        self.metrics.record_completion(completion.stats, time.perf_counter() - start)
+
+
+def _delta_message(delta: Delta, logprobs: bool) -> specdec_pb2.GenerateResponse:
+    return specdec_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids,
+                                        logprobs=delta.logprobs if logprobs else ())
+
+
+def _add_summary(message: specdec_pb2.GenerateResponse, completion: Completion) -> None:
+    message.finish_reason = completion.finish_reason
+    message.usage.CopyFrom(specdec_pb2.Usage(prompt_tokens=completion.prompt_tokens,
+                                             completion_tokens=completion.completion_tokens))
+    message.stats.CopyFrom(completion.stats.to_proto())
+
+
+def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateResponse:
+    message = specdec_pb2.GenerateResponse(text=completion.text, token_ids=completion.token_ids,
+                                           logprobs=completion.logprobs if logprobs else ())
+    _add_summary(message, completion)
+    return message

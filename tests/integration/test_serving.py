@@ -1,0 +1,219 @@
+"""The service on a real local Ray cluster, called through the real gRPC endpoint."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.client import build_request
+from tiny_models import PROMPTS
+
+pytestmark = pytest.mark.integration
+APP = "specdec"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """The in-process engine, target only: what greedy output must equal."""
+    draft, target = tiny_pair
+    engine = SpeculativeEngine.from_pretrained(draft, target)
+    return lambda prompt, n: engine.generate(prompt, SamplingParams(max_new_tokens=n), 0).token_ids
+
+
+def _replicas(deployment):
+    from ray import serve
+    from ray.serve.schema import ServeInstanceDetails
+
+    details = ServeInstanceDetails(**serve.context._get_global_client().get_serve_details())
+    return [r for r in details.applications[APP].deployments[deployment].replicas if r.state == "RUNNING"]
+
+
+def _handle(deployment, session_id=None):
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, APP)
+    return handle.options(session_id=session_id) if session_id else handle
+
+
+def _cache_stats_per_replica(deployment):
+    """{replica_id: CacheStats}, reaching each replica through a session key that hashes to it."""
+    stats = {}
+    for i in range(200):
+        handle = _handle(deployment, f"probe-{i}")
+        replica = handle.replica_id.remote().result()
+        if replica not in stats:
+            stats[replica] = (f"probe-{i}", handle.cache_stats.remote().result())
+        if len(stats) == len(_replicas(deployment)):
+            break
+    return stats
+
+
+def _all_caches_empty():
+    return all(s.sessions == 0 and s.bytes == 0
+               for deployment in ("DraftModel", "TargetModel")
+               for _, s in _cache_stats_per_replica(deployment).values())
+
+
+def _wait_until(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8, None])
+def test_greedy_over_grpc_equals_target_only(client, reference, k):
+    for prompt in PROMPTS[:4]:
+        out = client.generate(build_request(prompt, max_new_tokens=24, num_speculative_tokens=k))
+        assert list(out.token_ids) == reference(prompt, 24), (prompt, k)
+        assert out.usage.completion_tokens == len(out.token_ids)
+        assert out.finish_reason in ("stop", "length")
+        assert out.stats.rounds >= 1 and 0 <= out.stats.accepted_tokens <= out.stats.draft_tokens
+
+
+def test_stream_deltas_concatenate_to_the_unary_text(client):
+    request = build_request(PROMPTS[1], max_new_tokens=30, num_speculative_tokens=3, logprobs=True)
+    unary = client.generate(request)
+    messages = list(client.generate_stream(request))
+    assert "".join(m.text for m in messages) == unary.text
+    assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
+    assert [p for m in messages for p in m.logprobs] == pytest.approx(list(unary.logprobs), abs=1e-5)
+    assert all(not m.finish_reason for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == unary.finish_reason and last.usage == unary.usage
+    assert last.stats.rounds == unary.stats.rounds
+
+
+def test_sampled_output_is_reproducible_by_seed(client):
+    request = build_request(PROMPTS[0], max_new_tokens=20, temperature=1.0, seed=5, num_speculative_tokens=3)
+    assert client.generate(request).token_ids == client.generate(request).token_ids
+
+
+def test_model_info_health_and_reflection(client, tiny_pair):
+    info = client.model_info()
+    assert info.draft_model == str(tiny_pair[0]) and info.target_model == str(tiny_pair[1])
+    assert info.draft_pool == "draft_pool" and info.target_pool == "target_pool"
+    assert info.context_limit == 256 and info.vocab_size > 0
+    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    services = {s.name for answer in answers for s in answer.list_services_response.service}
+    assert "specdec.v1.SpeculativeDecoding" in services
+
+
+def test_replicas_run_only_on_their_pool_nodes(client):
+    import ray
+
+    pools = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    for deployment, pool in (("DraftModel", "draft_pool"), ("TargetModel", "target_pool")):
+        replicas = _replicas(deployment)
+        assert replicas
+        for replica in replicas:
+            assert pool in pools[replica.node_id], (deployment, replica.node_id)
+    for replica in _replicas("SpeculativeRouter"):
+        assert not {"draft_pool", "target_pool"} & set(pools[replica.node_id])
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x " * 300}, "prompt"),                      # past the 256-token context limit
+    ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "hi", "max_new_tokens": -5}, "max_new_tokens"),
+    ({"prompt": "hi", "max_new_tokens": 100_000}, "max_new_tokens"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "temperature": math.nan}, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("fields, field", BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_bad_input_is_invalid_argument_naming_the_field(client, reference, fields, field, stream):
+    request = build_request(**fields)
+    with pytest.raises(grpc.RpcError) as err:
+        if stream:
+            list(client.generate_stream(request))
+        else:
+            client.generate(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field), err.value.details()
+    good = client.generate(build_request(PROMPTS[0], max_new_tokens=8))
+    assert list(good.token_ids) == reference(PROMPTS[0], 8)
+
+
+def test_cancelled_stream_releases_both_caches(client):
+    stream = client.generate_stream(build_request(PROMPTS[2], max_new_tokens=200, num_speculative_tokens=1))
+    next(stream)
+    next(stream)
+    stream.cancel()
+    _wait_until(_all_caches_empty)
+
+
+def test_deadline_is_deadline_exceeded_and_releases_the_session(client):
+    request = build_request(PROMPTS[3], max_new_tokens=230, num_speculative_tokens=1)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(request, timeout_s=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_until(_all_caches_empty)
+
+
+def _kill(replica):
+    import ray
+
+    ray.kill(ray.get_actor(replica.actor_name, namespace="serve"), no_restart=True)
+
+
+def test_killed_target_replica_mid_request_gives_identical_output(client, reference):
+    """Several concurrent greedy streams; the target replica holding sessions is killed; every
+    request still finishes with the undisturbed output, rebuilt on the other replica."""
+    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=60)
+    prompts = PROMPTS[:6]
+    n = 200
+    streams = [client.generate_stream(build_request(p, max_new_tokens=n, num_speculative_tokens=1)) for p in prompts]
+    firsts = [next(s) for s in streams]  # every session now holds a cache on some replica
+    busy = {rid for rid, (_, s) in _cache_stats_per_replica("TargetModel").items() if s.sessions}
+    victim = next(r for r in _replicas("TargetModel") if r.replica_id in busy)
+    _kill(victim)
+
+    def rest(stream, first):
+        return list(first.token_ids) + [t for m in stream for t in m.token_ids]
+
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        outputs = list(pool.map(rest, streams, firsts))
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == reference(prompt, n)
+    survivors = _cache_stats_per_replica("TargetModel")
+    assert sum(s.rebuilds for _, s in survivors.values()) >= 1
+
+
+def test_no_target_replica_left_is_unavailable_not_a_hang(client):
+    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=90)
+    stream = client.generate_stream(build_request(PROMPTS[5], max_new_tokens=230, num_speculative_tokens=1))
+    next(stream)
+    for replica in _replicas("TargetModel"):
+        _kill(replica)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 60
+    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=120)
