@@ -1,0 +1,1 @@
+"""Local multi-node Ray cluster on one machine (head + draft-pool node + target-pool node); see ``local``."""

@@ -20,6 +20,8 @@ from transformers import Cache
 
 from specdec.v1 import worker_pb2
 
+RELEASED_MEMORY = 65_536  # released session ids remembered
+
 
 @dataclasses.dataclass
 class SessionEntry:
@@ -67,6 +69,9 @@ class SessionCacheStore:
         self._entries: collections.OrderedDict[str, SessionEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._bytes = 0
+        # Released sessions, so that a call still computing when its request was cancelled
+        # cannot store the entry back after the release (session ids are never reused).
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.evictions = 0
         self.rebuilds = 0
 
@@ -102,6 +107,8 @@ class SessionCacheStore:
         entry = active.entry
         size = cache_nbytes(entry.cache)
         with self._lock:
+            if active.session_id in self._released:
+                return
             old = self._entries.pop(active.session_id, None)
             self._bytes -= old.nbytes if old is not None else 0
             entry.nbytes = size
@@ -113,18 +120,24 @@ class SessionCacheStore:
                 self.evictions += 1
 
     def release(self, session_id: str) -> bool:
-        """Drops a session; False when it was not held."""
+        """Drops a session for good; False when it was not held."""
         with self._lock:
+            self._released[session_id] = None
+            if len(self._released) > RELEASED_MEMORY:
+                self._released.popitem(last=False)
             entry = self._entries.pop(session_id, None)
             if entry is not None:
                 self._bytes -= entry.nbytes
         return entry is not None
 
     def evict(self, session_id: str) -> bool:
-        """Drops a session as if capacity had forced it out (counts as an eviction)."""
-        released = self.release(session_id)
-        self.evictions += int(released)
-        return released
+        """Drops a session as if capacity had forced it out: its next call misses and rebuilds."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+                self.evictions += 1
+        return entry is not None
 
     def stats(self) -> worker_pb2.CacheStats:
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import SpeculativeEngine
-from tiny_models import save_pair
+from specdec.tiny_models import save_pair
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 
 from specdec import InvalidRequestError, ModelLoadError, SamplingParams, SpeculativeEngine
 from specdec.models import load_model
-from tiny_models import PROMPTS, save_pair
+from specdec.tiny_models import PROMPTS, save_pair
 
 GREEDY = SamplingParams(max_new_tokens=40)
 
@@ -232,3 +232,15 @@ def test_missing_model_is_a_clear_error_and_never_downloads(tmp_path):
         load_model("no-such-org/no-such-model")
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         load_model(tmp_path / "missing.gguf")
+
+
+def test_a_call_finishing_after_its_release_does_not_store_the_session_again(engine):
+    """A cancelled request releases its session while a forward may still be running; the
+    late commit must not bring the entry back (it would leak until evicted)."""
+    from specdec.v1 import worker_pb2
+    verifier = engine.transport.verifier
+    tokens = worker_pb2.SessionTokens(session_id="late", new_token_ids=engine.tokenizer.encode(PROMPTS[0]))
+    with verifier.session(tokens) as active:
+        verifier.feed(active, active.pending, num_logits=1)
+        verifier.release(worker_pb2.ReleaseRequest(session_id="late"))
+    assert verifier.cache_stats().sessions == 0

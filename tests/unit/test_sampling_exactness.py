@@ -20,7 +20,7 @@ from scipy import stats
 
 from specdec import SamplingParams, SpeculativeEngine, speculative
 from specdec.sampling import processed_probs
-from tiny_models import save_pair
+from specdec.tiny_models import save_pair
 
 N = 2000
 PROMPT = "w1 w2 w3"

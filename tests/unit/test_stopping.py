@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.stopping import LENGTH, STOP, StopChecker
-from tiny_models import build_tokenizer
+from specdec.tiny_models import build_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

@@ -1,4 +1,6 @@
-"""Tiny random model pairs that the tests build themselves (no network, seconds on a CPU)."""
+"""Tiny random model pairs, built locally in seconds: for tests and for trying the service
+without real weights (`specdec tiny-models`). Their output is gibberish, but every property of the
+algorithm (exactness, stop rules, caches) holds for them as for real models."""
 
 from __future__ import annotations
 

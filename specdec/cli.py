@@ -1,0 +1,169 @@
+"""The `specdec` command line: cluster, serve, generate, tiny-models.
+
+Ray is imported only by the subcommands that need it, so `specdec generate` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION, SpecdecClient, build_request
+
+DEFAULT_CONFIG = "local.yaml"  # looked up in the packaged deployments/config/ when not a path
+TINY_DIR = Path("~/.cache/specdec/tiny").expanduser()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except grpc.RpcError as err:
+        print(f"specdec: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError, OSError) as err:
+        print(f"specdec: {err}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    cluster = commands.add_parser("cluster", help="local multi-node Ray cluster on this machine")
+    cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--state-dir", help="where the cluster records its processes")
+    cluster.set_defaults(func=_cluster)
+
+    serve = commands.add_parser("serve", help="deploy specdec to a running Ray cluster")
+    serve.add_argument("--config", default=DEFAULT_CONFIG,
+                       help="Serve config YAML: a path, or local.yaml / gpu.yaml (shipped)")
+    serve.add_argument("--local", action="store_true", help="first bring up the local cluster")
+    serve.add_argument("--address", help="Ray address (default: the local cluster's)")
+    serve.add_argument("--draft-model", help="override the config's draft_model")
+    serve.add_argument("--target-model", help="override the config's target_model")
+    serve.set_defaults(func=_serve)
+
+    generate = commands.add_parser("generate", help="call the gRPC endpoint")
+    generate.add_argument("prompt")
+    generate.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    generate.add_argument("--application", default=DEFAULT_APPLICATION)
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    generate.add_argument("--stream", action="store_true", help="print tokens as rounds commit them")
+    generate.add_argument("--max-new-tokens", type=int)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--k", default="auto", help="speculative tokens: an int, 0 (off) or auto")
+    generate.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    generate.add_argument("--timeout", type=float, help="deadline in seconds")
+    generate.set_defaults(func=_generate)
+
+    tiny = commands.add_parser("tiny-models", help="write a tiny random draft/target pair")
+    tiny.add_argument("directory", nargs="?", default=str(TINY_DIR))
+    tiny.set_defaults(func=_tiny_models)
+    return parser
+
+
+def _cluster(args: argparse.Namespace) -> None:
+    from specdec.cluster import local
+
+    if args.action == "up":
+        info = local.up(args.state_dir)
+        print(f"local cluster up at {info.address} ({len(info.nodes)} nodes)")
+    elif args.action == "down":
+        pids = local.down(args.state_dir)
+        print(f"stopped {len(pids)} processes" if pids else "no local cluster was running")
+    else:
+        print(local.format_status(local.status(args.state_dir)))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from specdec.cluster import local
+    from specdec.deployments.deploy import deploy
+
+    address = args.address
+    if args.local:
+        try:
+            address = local.address()
+        except RuntimeError:
+            address = local.up().address
+    overrides = {k: v for k, v in (("draft_model", args.draft_model),
+                                   ("target_model", args.target_model)) if v}
+    config = _config_path(args.config)
+    deploy(config, address=address or local.address(), overrides=overrides)
+    print(f"specdec is serving (config {config}); gRPC on port {_grpc_port(config)}, "
+          f"application '{DEFAULT_APPLICATION}'")
+
+
+def _config_path(name: str) -> Path:
+    """A config file path, or the name of one shipped in deployments/config/."""
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = Path(str(importlib.resources.files("specdec.deployments") / "config" / name))
+    if shipped.exists():
+        return shipped
+    raise FileNotFoundError(f"no Serve config {name!r} (neither a file nor one of "
+                            f"{sorted(p.name for p in shipped.parent.glob('*.yaml'))})")
+
+
+def _grpc_port(config: Path) -> int:
+    import yaml
+
+    return yaml.safe_load(config.read_text())["grpc_options"]["port"]
+
+
+def _generate(args: argparse.Namespace) -> None:
+    k = None if args.k == "auto" else int(args.k)
+    request = build_request(
+        None if args.chat else args.prompt,
+        messages=[{"role": "user", "content": args.prompt}] if args.chat else None,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop, num_speculative_tokens=k,
+        logprobs=args.json)
+    with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
+        if not args.stream:
+            response = client.generate(request)
+            print(_json(response) if args.json else response.text)
+            return
+        for message in client.generate_stream(request):
+            if args.json:
+                print(_json(message), flush=True)
+            else:
+                print(message.text, end="", flush=True)
+        if not args.json:
+            print()
+            _print_summary(message)
+
+
+def _print_summary(last) -> None:
+    s = last.stats
+    print(f"[{last.finish_reason}] {last.usage.completion_tokens} tokens, "
+          f"{s.tokens_per_second:.1f} tok/s, TTFT {s.ttft_s * 1e3:.0f} ms, "
+          f"acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_tokens:.2f} tokens/round, "
+          f"mean k {s.mean_k:.1f}", file=sys.stderr)
+
+
+def _json(message) -> str:
+    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True))
+
+
+def _tiny_models(args: argparse.Namespace) -> None:
+    from specdec.tiny_models import save_pair
+
+    draft, target = save_pair(Path(args.directory).expanduser(), noise=0.05)
+    print(f"draft: {draft}\ntarget: {target}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
