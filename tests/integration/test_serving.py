@@ -217,3 +217,32 @@ def test_no_target_replica_left_is_unavailable_not_a_hang(client):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - start < 60
     _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=120)
+
+
+def _scrape_metrics():
+    import urllib.request
+
+    import ray
+
+    text = ""
+    for node in ray.nodes():
+        if node["Alive"] and node.get("MetricsExportPort"):
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text += response.read().decode()
+    return text
+
+
+def test_prometheus_metrics_are_exported(client):
+    client.generate(build_request(PROMPTS[0], max_new_tokens=16, num_speculative_tokens=2))
+    wanted = ["ray_specdec_requests_total", "ray_specdec_accepted_tokens_total", "ray_specdec_rounds_total",
+              "ray_specdec_round_latency_s_bucket", "ray_specdec_ttft_s_bucket", "ray_specdec_cache_sessions",
+              "ray_specdec_compute_s_bucket"]
+    text = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(name in text for name in wanted):
+        time.sleep(2)
+        text = _scrape_metrics()
+    missing = [name for name in wanted if name not in text]
+    assert not missing, missing
+    assert 'part="orchestration"' in text and 'code="OK"' in text

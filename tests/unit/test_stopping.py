@@ -20,11 +20,12 @@ def _checker(tokenizer, max_new=100, stop=(), stop_ids=None):
 
 
 def _spanning_stop(tokenizer, ids):
-    """(stop, i): a stop string made of the end of token i - 1 and the start of token i of
-    ``ids``, found nowhere earlier in their text."""
+    """(stop, i): the last two characters before token i and the first two of token i, chosen
+    where that string first occurs exactly across the boundary (so token i completes it)."""
     for i in range(3, len(ids)):
-        stop = tokenizer.decode([ids[i - 1]])[-2:] + tokenizer.decode([ids[i]])[:2]
-        if len(stop) >= 3 and tokenizer.decode(ids[: i + 1]).find(stop) == len(tokenizer.decode(ids[:i])) - len(tokenizer.decode([ids[i - 1]])[-2:]):
+        head, piece = tokenizer.decode(ids[:i]), tokenizer.decode([ids[i]])
+        stop = head[-2:] + piece[:2]
+        if len(piece) >= 2 and tokenizer.decode(ids[: i + 1]).find(stop) == len(head) - 2:
             return stop, i
     raise AssertionError("no spanning stop string in the test text")
 
