@@ -43,7 +43,7 @@ class SessionModel:
         try:
             yield active
         except BaseException:
-            self.sessions.release(tokens.session_id)
+            self.sessions.evict(tokens.session_id)
             raise
         self.sessions.commit(active)
 
