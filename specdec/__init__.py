@@ -1,14 +1,25 @@
 """specdec: lossless speculative decoding, served on Ray.
 
 The core (this package, minus ``specdec.deployments`` and ``specdec.cluster``) never imports Ray.
+The public names below are imported lazily, so that light users (the gRPC client, the CLI) do not
+pay for importing torch and transformers.
 """
 
-from specdec.engine import SpeculativeEngine
-from specdec.errors import InvalidRequestError, ModelLoadError
-from specdec.round_loop import Completion
-from specdec.sampling import SamplingParams
-from specdec.stats import SpeculationStats
+import importlib
 
-__all__ = ["Completion", "InvalidRequestError", "ModelLoadError", "SamplingParams",
-           "SpeculationStats", "SpeculativeEngine"]
+_EXPORTS = {
+    "Completion": "specdec.round_loop",
+    "InvalidRequestError": "specdec.errors",
+    "ModelLoadError": "specdec.errors",
+    "SamplingParams": "specdec.sampling",
+    "SpeculationStats": "specdec.stats",
+    "SpeculativeEngine": "specdec.engine",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
