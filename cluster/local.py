@@ -322,7 +322,7 @@ def _node_problems(info: ClusterInfo) -> list[str]:
         if node is None:
             problems.append(f"{want.role} node not alive")
             continue
-        have = {k: v for k, v in node.get("Resources", {}).items() if k in POOLS}
+        have = {k: v for k, v in node.get("Resources", {}).items() if k in (*POOLS, ROUTER_POOL)}
         if have != want.resources:
             problems.append(f"{want.role} node advertises {have}, expected {want.resources}")
     return problems
@@ -339,6 +339,9 @@ def _wait_nodes(info: ClusterInfo, deadline: float) -> None:
             return
         time.sleep(0.5)
     raise _fail(info, "cluster not ready in time: " + "; ".join(problems))
+
+
+ROUTER_POOL = "router_pool"  # the head advertises it so the router stays off the model nodes
 
 
 def up(
@@ -392,7 +395,7 @@ def up(
         temp_root=str(temp_root),
     )
     specs = [
-        ("head", head_cpus, {}),
+        ("head", head_cpus, {ROUTER_POOL: 100}),
         ("draft", worker_cpus, dict(draft_resources or {"draft_pool": 100})),
         ("target", worker_cpus, dict(target_resources or {"target_pool": 100})),
     ]

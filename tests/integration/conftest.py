@@ -43,7 +43,7 @@ def write_config(tmp: Path, draft: Path, target: Path) -> tuple[Path, int]:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory, tiny_pair):
-    """(client, tiny_pair): the tiny pair deployed on a fresh local cluster."""
+    """(client, ClusterInfo): the tiny pair deployed on a fresh local cluster."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -56,7 +56,7 @@ def served(tmp_path_factory, tiny_pair):
         try:
             deploy(config, address=info.address, timeout_s=300)
             with SpecdecClient(f"127.0.0.1:{port}", timeout_s=120) as client:
-                yield client
+                yield client, info
         finally:
             if ray.is_initialized():
                 serve.shutdown()

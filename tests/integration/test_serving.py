@@ -20,7 +20,7 @@ APP = "specdec"
 
 @pytest.fixture(scope="module")
 def client(served):
-    return served
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,9 @@ def test_replicas_run_only_on_their_pool_nodes(client):
             assert pool in pools[replica.node_id], (deployment, replica.node_id)
             other = "target_pool" if pool == "draft_pool" else "draft_pool"
             assert other not in pools[replica.node_id]
+    for replica in _replicas("SpeculativeRouter"):  # on the head, away from the model nodes
+        assert "router_pool" in pools[replica.node_id]
+        assert not {"draft_pool", "target_pool"} & set(pools[replica.node_id])
 
 
 BAD_REQUESTS = [
@@ -205,20 +208,6 @@ def test_killed_target_replica_mid_request_gives_identical_output(client, refere
     assert sum(s.rebuilds for _, s in survivors.values()) >= 1
 
 
-def test_no_target_replica_left_is_unavailable_not_a_hang(client):
-    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=90)
-    stream = client.generate_stream(build_request(PROMPTS[5], max_new_tokens=230, num_speculative_tokens=1))
-    next(stream)
-    for replica in _replicas("TargetModel"):
-        _kill(replica)
-    start = time.monotonic()
-    with pytest.raises(grpc.RpcError) as err:
-        list(stream)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - start < 60
-    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=120)
-
-
 def _scrape_metrics():
     import urllib.request
 
@@ -246,3 +235,34 @@ def test_prometheus_metrics_are_exported(client):
     missing = [name for name in wanted if name not in text]
     assert not missing, missing
     assert 'part="orchestration"' in text and 'code="OK"' in text
+
+
+def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):
+    """The target-pool node dies (its `ray start` process, which this test session started)
+    while four streams are in flight: no node can host a target replica any more. In-flight
+    streams fail with UNAVAILABLE (or had already finished); new requests fail with UNAVAILABLE;
+    nothing hangs. Runs last: the cluster has no target pool afterwards."""
+    import os
+    import signal
+
+    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=90)
+    streams = [client.generate_stream(build_request(p, max_new_tokens=230, num_speculative_tokens=0))
+               for p in PROMPTS[:4]]
+    for stream in streams:
+        next(stream)
+    os.kill(served[1].node("target").pid, signal.SIGKILL)
+    start = time.monotonic()
+
+    def outcome(stream):
+        try:
+            list(stream)
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+        return grpc.StatusCode.OK, ""
+
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        in_flight = list(pool.map(outcome, streams))
+    assert all(code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE) for code, _ in in_flight), in_flight
+    after = outcome(client.generate_stream(build_request(PROMPTS[0], max_new_tokens=8)))
+    assert after[0] == grpc.StatusCode.UNAVAILABLE, after
+    assert time.monotonic() - start < 90
