@@ -1,0 +1,396 @@
+"""The Kubernetes manifests under k8s/, each kustomization rendered: valid against the KubeRay v1
+CRDs (unknown fields rejected) and the Kubernetes schemas, serveConfigV2 valid for Ray Serve, pools
+that the Serve config requests advertised by the worker groups, and the security settings of
+issue #5. No cluster needed.
+
+Rendering: `render` below implements exactly the kustomize features k8s/ uses (resources, JSON 6902
+patches with a kind/name target, images), so the tests run where no kustomize binary exists;
+where `kubectl` is installed, its own `kubectl kustomize` output must equal ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from specdec import k8s
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+KUBERAY = REPO.parent / "shared" / "data" / "kuberay"
+KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-demo"]
+K8S_VERSION = "1.30.0"  # the oldest Kubernetes these manifests promise to work on
+SERVE_PORTS = {8000, 9000}
+STANDARD_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+# --- rendering (the subset of kustomize that k8s/ uses) ---------------------------------------
+
+
+def render(directory: Path) -> list[dict]:
+    """`kustomize build directory` for resources, JSON 6902 patch files and images."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - {"apiVersion", "kind", "resources", "patches", "images"}
+    assert not unknown, f"{directory}: the test renderer does not implement {sorted(unknown)}"
+    docs: list[dict] = []
+    for entry in kustomization.get("resources", []):
+        path = directory / entry
+        # A JSON round trip unshares YAML anchors, so that a patch changes one place only.
+        docs += render(path) if path.is_dir() else [
+            json.loads(json.dumps(d)) for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        targets = [d for d in docs if d["kind"] == patch["target"]["kind"]
+                   and d["metadata"]["name"] == patch["target"]["name"]]
+        assert targets, f"{directory}: patch {patch['path']} matches nothing"
+        for doc in targets:
+            apply_json_patch(doc, yaml.safe_load((directory / patch["path"]).read_text()))
+    for image in kustomization.get("images", []):
+        for container in _containers(docs):
+            name, _, tag = container["image"].rpartition(":") if ":" in container["image"] else (
+                container["image"], "", "")
+            if name == image["name"]:
+                container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+    return docs
+
+
+def apply_json_patch(doc: dict, ops: list[dict]) -> None:
+    """RFC 6902 add / replace / remove, in place."""
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
+        if op["op"] == "remove" or op["op"] == "replace":
+            node[key]  # noqa: B018 (a missing path is an error, as in kustomize)
+        if op["op"] == "remove":
+            del node[key]
+        elif op["op"] == "add" and isinstance(node, list):
+            node.insert(key, op["value"])
+        elif op["op"] in ("add", "replace"):
+            node[key] = op["value"]
+        else:
+            raise AssertionError(f"the test renderer does not implement op {op['op']!r}")
+
+
+def _containers(node) -> list[dict]:
+    """Every container and init container anywhere in node."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                found += [c for c in value if isinstance(c, dict) and "image" in c]
+            found += _containers(value)
+    elif isinstance(node, list):
+        for item in node:
+            found += _containers(item)
+    return found
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(K8S / request.param)
+
+
+def _one(docs: list[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def _serve_config(rayservice: dict) -> dict:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+# --- checks, each returning its problems (the negative tests feed them broken copies) ---------
+
+
+def _strict(schema):
+    """The schema with additionalProperties: false on every object node with properties, except
+    where Kubernetes keeps unknown fields (x-kubernetes-preserve-unknown-fields)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {name: _strict(s) for name, s in out["properties"].items()}
+        if not out.get("x-kubernetes-preserve-unknown-fields"):
+            out.setdefault("additionalProperties", False)
+    for key in ("items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = _strict(out[key])
+    return out
+
+
+@pytest.fixture(scope="module")
+def crd_validators() -> dict[str, jsonschema.protocols.Validator]:
+    if not KUBERAY.is_dir():
+        pytest.skip(f"KubeRay CRDs not found at {KUBERAY} (they come with ../shared/data)")
+    validators = {}
+    for path in KUBERAY.glob("ray.io_*.yaml"):
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        validators[crd["spec"]["names"]["kind"]] = jsonschema.Draft7Validator(
+            _strict(version["schema"]["openAPIV3Schema"]))
+    return validators
+
+
+def crd_errors(doc: dict, validators) -> list[str]:
+    return [f"{doc['kind']}/{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validators[doc["kind"]].iter_errors(doc)]
+
+
+def _group_resources(group: dict) -> tuple[dict[str, float], list[str]]:
+    """(custom resources a Ray group advertises, problems): from exactly one of its `resources`
+    field and rayStartParams.resources."""
+    field = {k: float(v) for k, v in group.get("resources", {}).items()
+             if k not in STANDARD_RESOURCES}
+    start = group.get("rayStartParams", {}).get("resources")
+    start = yaml.safe_load(start.strip("'\"").replace("\\", "")) if start else {}
+    both = sorted(set(field) & set(start))
+    problems = [f"{group['groupName']}: {name} declared in both `resources` and rayStartParams"
+                for name in both]
+    return {**start, **field}, problems
+
+
+def pool_problems(rayservice: dict) -> list[str]:
+    """Every custom resource a deployment requests is advertised by a worker group with enough
+    capacity for the deployment's max_replicas (else the autoscaler never adds a node for it),
+    every advertised pool is used, and GPU replicas land on groups with GPUs."""
+    groups = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    problems, advertised = [], {}
+    for group in groups:
+        resources, group_problems = _group_resources(group)
+        problems += group_problems
+        advertised[group["groupName"]] = (group, resources)
+    app = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == k8s.APPLICATION)
+    requested = set()
+    for deployment in app["deployments"]:
+        options = deployment.get("ray_actor_options", {})
+        wanted = dict(options.get("resources", {}))
+        if options.get("accelerator_type"):
+            wanted[f"accelerator_type:{options['accelerator_type']}"] = 0.001
+        replicas = deployment.get("autoscaling_config", {}).get("max_replicas", 1)
+        requested |= set(wanted)
+        for name, amount in wanted.items():
+            hosts = [(g, r) for g, r in advertised.values() if name in r]
+            capacity = sum(g["maxReplicas"] * r[name] for g, r in hosts)
+            if capacity < amount * replicas:
+                problems.append(f"{deployment['name']}: {replicas} x {name}={amount} but the worker "
+                                f"groups advertise {capacity}")
+            gpus = options.get("num_gpus", 0)
+            for g, _ in hosts:
+                limit = float(g["template"]["spec"]["containers"][0]["resources"]["limits"]
+                              .get("nvidia.com/gpu", 0))
+                if limit < gpus:
+                    problems.append(f"{deployment['name']}: needs {gpus} GPU, {g['groupName']} "
+                                    f"pods have {limit}")
+    for name, (_, resources) in advertised.items():
+        unused = [r for r in resources if r.endswith("_pool") and r not in requested]
+        problems += [f"{name}: advertises {r}, which no deployment requests" for r in unused]
+    return problems
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+
+def test_generated_serve_configs_are_current():
+    for path, text in k8s.rendered_files(K8S).items():
+        assert path.read_text() == text, f"{path} is stale; run `python -m specdec.k8s render`"
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed: only the test "
+                    "renderer renders k8s/ here")
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_test_renderer_agrees_with_kubectl_kustomize(kustomization):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / kustomization)], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(yaml.safe_load_all(out), key=key) == sorted(render(K8S / kustomization), key=key)
+
+
+def test_custom_resources_match_the_kuberay_crds(rendered, crd_validators):
+    name, docs = rendered
+    custom = [d for d in docs if d["apiVersion"].startswith("ray.io/")]
+    assert [d["kind"] for d in custom] == ["RayService"]
+    for doc in custom:
+        assert crd_errors(doc, crd_validators) == [], name
+
+
+def test_builtin_kinds_match_the_kubernetes_schemas(rendered):
+    name, docs = rendered
+    builtin = [d for d in docs if not d["apiVersion"].startswith("ray.io/")]
+    assert "NetworkPolicy" in {d["kind"] for d in builtin}
+    for doc in builtin:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_serve_config_is_valid_for_ray_serve(rendered):
+    name, docs = rendered
+    rayservice = _one(docs, "RayService")
+    config = ServeDeploySchema.model_validate(_serve_config(rayservice))
+    if name == "overlays/cpu-demo":
+        assert "cuda" not in rayservice["spec"]["serveConfigV2"]
+    else:  # the one source of truth, verbatim
+        assert rayservice["spec"]["serveConfigV2"] == k8s.gpu_config_text()
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert ports["serve"] == config.http_options.port and ports["serve-grpc"] == config.grpc_options.port
+    assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_worker_groups_advertise_what_the_serve_config_requests(rendered):
+    name, docs = rendered
+    assert pool_problems(_one(docs, "RayService")) == []
+
+
+def test_model_init_containers_convert_in_the_serving_dtype(rendered):
+    name, docs = rendered
+    rayservice = _one(docs, "RayService")
+    args = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == "specdec")["args"]
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        (init,) = group["template"]["spec"]["initContainers"]
+        command = init["command"]
+        assert command[:5] == ["python", "-m", "specdec.k8s", "models", "/models"]
+        if "bundled" in command:
+            assert command[command.index("--dtype") + 1] == args["dtype"], group["groupName"]
+
+
+def test_gpu_groups_sit_on_their_own_gpu_node_pools(rendered):
+    name, docs = rendered
+    spec = _one(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert {"upscalingMode", "idleTimeoutSeconds", "resources"} <= set(spec["autoscalerOptions"])
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    if name == "overlays/cpu-demo":
+        assert "nvidia.com/gpu" not in yaml.safe_dump(docs)
+        return
+    selectors = []
+    for group_name in ("draft-gpu", "target-gpu"):
+        pod = groups[group_name]["template"]["spec"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        assert 1 <= groups[group_name]["minReplicas"] <= groups[group_name]["maxReplicas"]
+        selectors.append(pod["nodeSelector"])
+    assert selectors[0] != selectors[1], "draft and target share a node pool"
+
+
+def test_security(rendered):
+    name, docs = rendered
+    rayservice = _one(docs, "RayService")
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    head = cluster["headGroupSpec"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress")
+    assert all(d.get("spec", {}).get("type") not in ("LoadBalancer", "NodePort") for d in docs)
+    pods = [head["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    containers = _containers(docs) + [cluster["autoscalerOptions"]]
+    for pod in pods:
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert pod["spec"]["securityContext"]["runAsUser"] != 0
+    for container in containers:
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(container["resources"][kind]), container.get("name")
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    # The NetworkPolicy covers every Ray pod; only the serve ports are open to any source.
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    selector = policy["podSelector"]["matchLabels"]
+    assert all(selector.items() <= pod["metadata"]["labels"].items() for pod in pods)
+    assert policy["policyTypes"] == ["Ingress"]
+    for rule in policy["ingress"]:
+        if "from" not in rule:
+            assert {p["port"] for p in rule["ports"]} == SERVE_PORTS
+        else:
+            assert all(peer.get("podSelector", {}).get("matchLabels") for peer in rule["from"])
+
+
+# --- the checks have teeth --------------------------------------------------------------------
+
+
+def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
+    rayservice = _one(render(K8S / "overlays/gpu"), "RayService")
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["minReplica"] = 1  # typo
+    assert any("minReplica" in e for e in crd_errors(broken, crd_validators))
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "securityContext"]["runAsNonroot"] = True
+    assert crd_errors(broken, crd_validators)
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["authOptions"]["mode"] = "tokens"
+    assert crd_errors(broken, crd_validators)
+
+
+def test_kubernetes_validation_rejects_unknown_fields():
+    policy = copy.deepcopy(_one(render(K8S / "base"), "NetworkPolicy"))
+    policy["spec"]["ingress"][0]["port"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+def test_pool_check_catches_mismatches():
+    rayservice = _one(render(K8S / "overlays/gpu"), "RayService")
+    groups = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    renamed = copy.deepcopy(rayservice)
+    renamed["spec"]["serveConfigV2"] = rayservice["spec"]["serveConfigV2"].replace(
+        "target_pool: 1", "target-pool: 1")
+    assert any("target-pool" in p for p in pool_problems(renamed))
+    assert any("target_pool, which no deployment" in p for p in pool_problems(renamed))
+    twice = copy.deepcopy(rayservice)
+    twice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["rayStartParams"]["resources"] = \
+        '"{\\"draft_pool\\": 1}"'
+    assert any("both" in p for p in pool_problems(twice))
+    small = copy.deepcopy(rayservice)
+    small["spec"]["rayClusterConfig"]["workerGroupSpecs"][2]["maxReplicas"] = 2
+    assert any("TargetModel" in p for p in pool_problems(small))
+    no_gpu = copy.deepcopy(rayservice)
+    limits = groups[1]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1"
+    del no_gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"][
+        "containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert any("GPU" in p for p in pool_problems(no_gpu))
+
+
+def test_renderer_applies_json_patch_ops():
+    doc = {"a": {"b": [1, 2]}, "c": 1}
+    apply_json_patch(doc, [{"op": "add", "path": "/a/b/1", "value": 9},
+                           {"op": "replace", "path": "/c", "value": 2},
+                           {"op": "remove", "path": "/a/b/0"},
+                           {"op": "add", "path": "/a/b/-", "value": 3},
+                           {"op": "add", "path": "/d~1e", "value": 4}])
+    assert doc == {"a": {"b": [9, 2, 3]}, "c": 2, "d/e": 4}
+    with pytest.raises(KeyError):
+        apply_json_patch(doc, [{"op": "replace", "path": "/missing", "value": 0}])
+
+
+def test_prepare_models_links_the_bundled_pair_once(tmp_path, monkeypatch):
+    from specdec import bundled
+
+    converted = []
+
+    def fake_convert(role, dtype, cache_dir):
+        path = cache_dir / f"{role}-{dtype}"
+        path.mkdir(parents=True)
+        converted.append(role)
+        return path
+
+    monkeypatch.setattr(bundled, "converted_path", fake_convert)
+    (tmp_path / "target").mkdir()  # your own target model, already on the volume
+    paths = k8s.prepare_models(tmp_path, ["draft", "target"], "bundled", "bfloat16")
+    assert converted == ["draft"]
+    assert paths[0].resolve() == (tmp_path / ".bundled" / "draft-bfloat16").resolve()
+    assert not paths[1].is_symlink()
+    k8s.prepare_models(tmp_path, ["draft"], "bundled", "bfloat16")
+    assert converted == ["draft"]
+    with pytest.raises(ValueError, match="roles"):
+        k8s.prepare_models(tmp_path, ["router"])
