@@ -134,7 +134,11 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+# A router replica being scaled down holds whole requests (streams of many rounds), not single
+# calls: it drains for up to graceful_shutdown_timeout_s (Serve's default, 20 s, is shorter than
+# a long generation on a CPU) and checks every wait_loop_s whether its last stream has ended.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+                  graceful_shutdown_timeout_s=300, graceful_shutdown_wait_loop_s=1)
 class SpeculativeRouter:
     """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health).
 

@@ -73,7 +73,50 @@ def _parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser("tiny-models", help="write a tiny random draft/target pair")
     tiny.add_argument("directory", nargs="?", default=str(TINY_DIR))
     tiny.set_defaults(func=_tiny_models)
+    _add_loadtest(commands)
     return parser
+
+
+def _add_loadtest(commands) -> None:
+    loadtest = commands.add_parser("loadtest", help="staged gRPC load with per-second records")
+    loadtest.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    loadtest.add_argument("--application", default=DEFAULT_APPLICATION)
+    loadtest.add_argument("--stages", default="1x30s,8x90s,1x60s", type=_stages,
+                          help="CONCURRENCYxDURATION,... (durations in ms, s or m)")
+    loadtest.add_argument("--dataset", default="tiny",
+                          help="tiny (built in), humaneval, mt-bench, spec-bench or a .jsonl path")
+    loadtest.add_argument("--data-file", help="the dataset's question file")
+    loadtest.add_argument("--max-new-tokens", type=int, default=64)
+    loadtest.add_argument("--k", default="auto", type=_k_value,
+                          help="speculative tokens per round: an int >= 0 (0 = off) or auto")
+    loadtest.add_argument("--temperature", type=float, help="default: greedy")
+    loadtest.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                          help="GenerateStream, TTFT at the first message (default on)")
+    loadtest.add_argument("--ray-address",
+                          help="Ray address for replica counts (default: the local cluster's)")
+    loadtest.add_argument("--max-requests", type=int, help="start at most N requests")
+    loadtest.add_argument("--timeout", type=float, default=300.0,
+                          help="deadline of each request, seconds")
+    loadtest.add_argument("--drain", type=float, default=30.0,
+                          help="seconds in-flight requests get after the last stage")
+    loadtest.add_argument("--json", metavar="OUT", help="write the per-second report as JSON")
+    loadtest.add_argument("--plot", metavar="OUT.png", help="plot load, latency, replicas")
+    loadtest.set_defaults(func=_loadtest)
+
+
+def _stages(text: str):
+    from specdec.loadtest import parse_stages
+
+    try:
+        return parse_stages(text, flag="")
+    except ValueError as err:  # argparse names the flag: "argument --stages: ..."
+        raise argparse.ArgumentTypeError(str(err).lstrip(": ")) from None
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    from specdec import loadtest
+
+    return loadtest.main(args)
 
 
 def _k_value(text: str) -> int | None:

@@ -1,0 +1,107 @@
+"""The load test's figure: load, latency and replicas per deployment over time.
+
+Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.loadtest_plot IN.json
+OUT.png`` redraws a saved report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Mapping
+
+
+def plot(report: Mapping, path: str) -> None:
+    """Writes three stacked panels sharing the time axis (seconds since the run's start).
+
+    1. load: client concurrency (left axis) and completed requests per second, 5-s mean
+       (right axis); red crosses mark seconds with errors.
+    2. latency (seconds, log scale): per-second p50 and p95 of request latency and of TTFT.
+    3. RUNNING replicas per deployment (from serve.status()).
+    Dashed vertical lines mark stage boundaries.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    rows = report["per_second"]
+    t = [r["t"] + 1 for r in rows]  # a record covers [t, t+1): draw it at its end
+    fig, (load, latency, replicas) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5),
+                                                  height_ratios=(1, 1.2, 1))
+    load.step(t, [r["concurrency"] for r in rows], where="pre", color="C0", label="concurrency")
+    load.set_ylabel("concurrent clients")
+    rate = load.twinx()
+    # Per-second counts of multi-second requests jump between 0 and 2x the rate: smooth them.
+    rate.plot(t, _rolling_mean([r["completed"] for r in rows], 5), color="C1", lw=1,
+              label="completed req/s (5 s mean)")
+    errors = [(x, sum(r["errors"].values())) for x, r in zip(t, rows) if r["errors"]]
+    if errors:
+        rate.plot(*zip(*errors), "rx", label="errors/s")
+    rate.set_ylim(bottom=0)
+    rate.set_ylabel("requests / s")
+    _legend(load, rate)
+
+    for key, q, style in (("latency_s", "p50", "C0-"), ("latency_s", "p95", "C3-"),
+                          ("ttft_s", "p50", "C2--"), ("ttft_s", "p95", "C2:")):
+        points = [(x, r[key][q]) for x, r in zip(t, rows) if r[key][q]]
+        if points:
+            latency.plot(*zip(*points), style, lw=1,
+                         label=f"{'latency' if key == 'latency_s' else 'TTFT'} {q}")
+    latency.set_yscale("log")
+    latency.set_ylabel("seconds")
+    latency.legend(loc="upper left", fontsize="small")
+
+    names = sorted({name for r in rows for name in (r["replicas"] or {})})
+    for i, name in enumerate(names):
+        # Small offsets keep equal counts of different deployments from hiding each other.
+        counts = [(r["replicas"] or {}).get(name, 0) + 0.04 * (i - 1) for r in rows]
+        replicas.step(t, counts, where="post", lw=2, label=name)
+    if names:
+        top = max(max((r["replicas"] or {}).values(), default=1) for r in rows)
+        replicas.set_ylim(-0.2, top + 0.6)
+        replicas.set_yticks(range(0, top + 1))
+        replicas.legend(loc="upper left", fontsize="small")
+    else:
+        replicas.text(0.5, 0.5, "replica counts not recorded", ha="center",
+                      transform=replicas.transAxes)
+    replicas.set_ylabel("RUNNING replicas")
+    replicas.set_xlabel("time since start (s)")
+
+    for stage in report["stages"]:
+        for ax in (load, latency, replicas):
+            ax.axvline(stage["start_s"], color="grey", ls="--", lw=0.8)
+        load.annotate(f"{stage['concurrency']}x", (stage["start_s"], 1.0), xytext=(3, 2),
+                      xycoords=("data", "axes fraction"), textcoords="offset points",
+                      fontsize="small", color="grey", va="bottom")
+    summary = report["summary"]
+    p95 = summary["latency_s"]["p95"]
+    fig.suptitle(f"specdec loadtest: {summary['completed']} requests, "
+                 f"{summary['error_count']} errors, latency p95 "
+                 f"{'-' if p95 is None else f'{p95:.2f} s'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rolling_mean(values: list[float], width: int) -> list[float]:
+    """Centered mean over ``width`` points (fewer at the ends)."""
+    half = width // 2
+    return [sum(values[max(0, i - half):i + half + 1]) / len(values[max(0, i - half):i + half + 1])
+            for i in range(len(values))]
+
+
+def _legend(*axes) -> None:
+    handles, labels = [], []
+    for ax in axes:
+        h, l = ax.get_legend_handles_labels()
+        handles += h
+        labels += l
+    axes[0].legend(handles, labels, loc="upper left", fontsize="small")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m specdec.loadtest_plot REPORT.json OUT.png")
+    with open(sys.argv[1]) as report_file:
+        plot(json.load(report_file), sys.argv[2])

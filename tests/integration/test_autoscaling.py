@@ -1,0 +1,99 @@
+"""Draft and target autoscale on their own load, and no request is lost or changed meanwhile.
+
+Its own local cluster (a separate state dir), started and stopped by this module, so no other
+module's damage (test_serving kills a node) can reach it. The autoscaling configs are the
+shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.loadtest
+with Stages that end on a scaling event (``until``) rather than after a guessed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.loadtest import LoadTest, Stage, build_requests, run
+from specdec.tiny_models import PROMPTS
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the local cluster reads /proc"),
+]
+DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
+MAX_NEW_TOKENS = 48
+CONCURRENCY = 6
+FAST = dict(min_replicas=1, max_replicas=2, target_ongoing_requests=2, metrics_interval_s=0.5,
+            look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=4)
+# The router scales too (6 clients / 3 per replica): its scale-down drains live streams.
+AUTOSCALING = {DRAFT: FAST, TARGET: FAST, ROUTER: {**FAST, "target_ongoing_requests": 3}}
+
+
+@pytest.fixture(scope="module")
+def autoscaled(tmp_path_factory, tiny_service):
+    """(gRPC address, Ray address) of the tiny pair served with fast autoscaling."""
+    with tiny_service(tmp_path_factory.mktemp("autoscaling"), AUTOSCALING) as (_, info, address):
+        yield address, info.address
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Greedy target-only output of every prompt, computed before any load."""
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+    return [engine.generate(prompt, params, 0).token_ids for prompt in PROMPTS]
+
+
+LOADED = (1, 2)  # the stages of _load with CONCURRENCY clients
+
+
+def _load(autoscaled, k: int, busy: str) -> dict:
+    """Idle until every deployment has 1 replica; CONCURRENCY clients with speculative ``k``
+    until ``busy`` has 2 RUNNING replicas, 4 s more on them; then 1 client until all are
+    back to 1. Returns the report, with the LoadTest's results under "results"."""
+    address, ray_address = autoscaled
+    all_one = lambda r: set(r.values()) == {1}  # noqa: E731
+    stages = [Stage(0, 60, until=all_one),
+              Stage(CONCURRENCY, 60, until=lambda r: r.get(busy, 0) >= 2),
+              Stage(CONCURRENCY, 4),
+              Stage(1, 60, until=all_one)]
+    requests = build_requests(max_new_tokens=MAX_NEW_TOKENS, k=k)
+    load = LoadTest(requests, address=address, request_timeout_s=60, drain_s=30,
+                    keep_outputs=True, progress=False)
+    report = asyncio.run(run(load, stages, ray_address))
+    report["results"] = load.results
+    return report
+
+
+def _replicas(report, stages=None) -> dict[str, list[int]]:
+    """{deployment: RUNNING count per second} over the run (or the given stages)."""
+    rows = [r for r in report["per_second"] if stages is None or r["stage"] in stages]
+    names = {name for r in rows for name in r["replicas"] or {}}
+    return {name: [(r["replicas"] or {}).get(name, 0) for r in rows] for name in names}
+
+
+def _check_no_loss_and_exact(report, reference) -> None:
+    summary = report["summary"]
+    assert not report["notes"], report["notes"]
+    assert summary["errors"] == {} and summary["cut"] == 0, summary
+    done = [r for r in report["results"] if r.code == "OK"]
+    assert len(done) == summary["started"] > 20
+    for result in done:
+        assert result.token_ids == reference[result.prompt_index], result
+
+
+def test_verification_only_load_scales_the_target_not_the_draft(autoscaled, reference):
+    report = _load(autoscaled, k=0, busy=TARGET)  # k=0: rounds never call the draft
+    counts = _replicas(report)
+    assert max(_replicas(report, LOADED)[TARGET]) >= 2, counts
+    assert counts[TARGET][-1] == 1, counts  # back to 1 after the load ended
+    assert set(counts[DRAFT]) == {1}, counts
+    _check_no_loss_and_exact(report, reference)
+
+
+def test_speculative_load_scales_the_draft(autoscaled, reference):
+    report = _load(autoscaled, k=8, busy=DRAFT)  # 8 draft steps per verify: the draft is busy
+    counts = _replicas(report)
+    assert max(_replicas(report, LOADED)[DRAFT]) >= 2, counts
+    assert counts[DRAFT][-1] == 1, counts
+    _check_no_loss_and_exact(report, reference)
