@@ -11,6 +11,7 @@ import os
 
 from ray.serve import Application
 
+from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
 from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES
 from specdec.deployments.draft import DraftModel
 from specdec.deployments.router import RouterOptions, SpeculativeRouter
@@ -19,11 +20,27 @@ from specdec.deployments.target import TargetModel
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
-    """How the draft and target deployments load their models."""
+    """How the draft and target deployments load their models.
+
+    ``draft_dtype`` (default: ``dtype``) lets the draft run cheaper, e.g. "int8" on a CPU: the
+    draft only steers proposals, so it changes speed, never the output.
+    """
 
     dtype: str = "float32"
+    draft_dtype: str | None = None
     device: str = "cpu"
     cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES
+    fixed_shape_verify: bool | None = None  # None: on in half precision (TargetVerifier)
+
+    def for_side(self, side: str, max_speculative_tokens: int) -> dict:
+        """Constructor arguments of the "draft" or "target" replica."""
+        if side == "draft":
+            return {"dtype": self.draft_dtype or self.dtype, "device": self.device,
+                    "cache_capacity_bytes": self.cache_capacity_bytes}
+        return {"dtype": self.dtype, "device": self.device,
+                "cache_capacity_bytes": self.cache_capacity_bytes,
+                "fixed_shape_verify": self.fixed_shape_verify,
+                "max_speculative_tokens": max_speculative_tokens}
 
 
 def build_app(args: dict) -> Application:
@@ -47,8 +64,9 @@ def build_app(args: dict) -> Application:
     unknown = set(args) - model_fields - router_fields
     if unknown:
         raise ValueError(f"unknown application args: {sorted(unknown)}")
-    model_args = dataclasses.asdict(ModelArgs(**{k: v for k, v in args.items() if k in model_fields}))
+    model_args = ModelArgs(**{k: v for k, v in args.items() if k in model_fields})
     router_args = {k: v for k, v in args.items() if k in router_fields}
-    draft = DraftModel.bind(args["draft_model"], **model_args)
-    target = TargetModel.bind(args["target_model"], **model_args)
+    k_max = router_args.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS)
+    draft = DraftModel.bind(args["draft_model"], **model_args.for_side("draft", k_max))
+    target = TargetModel.bind(args["target_model"], **model_args.for_side("target", k_max))
     return SpeculativeRouter.bind(draft, target, **router_args)

@@ -33,6 +33,29 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Se
     return ServeDeploySchema.model_validate(raw)
 
 
+def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` plus the converted directories of any ``bundled:`` model in the config.
+
+    Converting the bundled pair takes minutes the first time; doing it here, in the process
+    that deploys (with progress bars), keeps replicas from converting concurrently in their
+    constructors. Only for clusters on this machine: the directories are local paths.
+
+    Raises:
+        specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
+    """
+    from specdec import bundled
+
+    overrides = dict(overrides or {})
+    args = next(app.args for app in load_config(path, overrides).applications
+                if app.name == APPLICATION)
+    for key, dtype_key in (("draft_model", "draft_dtype"), ("target_model", "dtype")):
+        spec = str(args.get(key, ""))
+        if spec.startswith(bundled.SPEC_PREFIX):
+            dtype = args.get(dtype_key) or args.get("dtype", "bfloat16")
+            overrides[key] = bundled.resolve(spec, dtype)
+    return overrides
+
+
 def deploy(path: str | Path, address: str | None = None, overrides: dict[str, Any] | None = None,
            timeout_s: float = 600.0) -> None:
     """Deploys the config to the cluster at ``address`` and waits until it is RUNNING.

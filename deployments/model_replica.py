@@ -34,13 +34,15 @@ class ModelReplica:
         model: local directory, cached model id, or .gguf path.
         dtype, device: as specdec.models.load_model.
         cache_capacity_bytes: bound of this replica's session KV caches.
+        side_kwargs: further arguments of side_cls (e.g. the verifier's fixed_width).
     """
 
     def __init__(self, side_cls: type[SessionModel], model: str, dtype: str = "float32",
-                 device: str = "cpu",
-                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES) -> None:
+                 device: str = "cpu", cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+                 **side_kwargs) -> None:
         loaded = load_model(model, dtype=dtype, device=device)
-        self.side = side_cls(loaded, cache_capacity_bytes)
+        self._dtype = dtype
+        self.side = side_cls(loaded, cache_capacity_bytes, **side_kwargs)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                thread_name_prefix="model")
         self._metrics = ReplicaMetrics()
@@ -65,9 +67,9 @@ class ModelReplica:
         return self.side.cache_stats()
 
     async def model_info(self) -> dict:
-        """vocab_size, context_limit (tokens), eos_token_ids and name of the model."""
+        """vocab_size, context_limit (tokens), eos_token_ids, name and dtype of the model."""
         loaded = self.side.loaded
-        return {"name": loaded.name, "vocab_size": loaded.vocab_size,
+        return {"name": loaded.name, "dtype": self._dtype, "vocab_size": loaded.vocab_size,
                 "context_limit": loaded.context_limit, "eos_token_ids": sorted(loaded.eos_token_ids)}
 
     async def replica_id(self) -> str:

@@ -23,6 +23,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from specdec.adaptive import CostModel
+from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
 from specdec.errors import InvalidRequestError
 from specdec.models import check_same_tokenizer, load_tokenizer
 from specdec.request import AUTO, ModelLimits, encode_prompt, prepare_request
@@ -56,7 +57,7 @@ class RouterOptions:
 
     draft_model: str
     target_model: str
-    max_speculative_tokens: int = 8
+    max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
     draft_top_n: int = 64
     call_timeout_s: float = 300.0
     unavailable_after_s: float = 30.0
@@ -210,6 +211,7 @@ class SpeculativeRouter:
             draft_context_limit=draft["context_limit"], target_context_limit=target["context_limit"],
             context_limit=min(draft["context_limit"], target["context_limit"]),
             draft_pool=o.draft_pool, target_pool=o.target_pool,
+            draft_dtype=draft["dtype"], target_dtype=target["dtype"],
             max_speculative_tokens=o.max_speculative_tokens)
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:

@@ -453,7 +453,8 @@ def resolve(spec: str | os.PathLike, dtype: str = "bfloat16",
 
     Args:
         spec: a model spec as specdec.models.load_model takes, or ``bundled:<role>``.
-        dtype: the dtype the model will be loaded in (the conversion is kept per dtype).
+        dtype: the dtype the model will be loaded in (the conversion is kept per dtype; "int8"
+            and other post-load quantizations use the bfloat16 conversion).
         cache_dir: the models folder (see cache_root).
     Raises:
         ModelLoadError: ``bundled:`` with an unknown role, or as converted_path.
@@ -461,7 +462,9 @@ def resolve(spec: str | os.PathLike, dtype: str = "bfloat16",
     text = os.fspath(spec)
     if not text.startswith(SPEC_PREFIX):
         return text
-    return str(converted_path(text[len(SPEC_PREFIX):], dtype, cache_dir))
+    # Other load dtypes (int8 quantizes after loading) start from the bfloat16 conversion.
+    conversion = dtype if dtype in CONVERSION_DTYPES else "bfloat16"
+    return str(converted_path(text[len(SPEC_PREFIX):], conversion, cache_dir))
 
 
 # --- helpers ----------------------------------------------------------------------------------

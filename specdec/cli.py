@@ -1,4 +1,4 @@
-"""The `specdec` command line: cluster, serve, generate, tiny-models.
+"""The `specdec` command line: cluster, serve, generate, loadtest, bench, demo, tiny-models.
 
 Ray, torch and transformers are imported only by the subcommands that need them, so
 `specdec generate` starts in a fraction of a second.
@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="Ray address (default: the local cluster's)")
     serve.add_argument("--draft-model", help="override the config's draft_model")
     serve.add_argument("--target-model", help="override the config's target_model")
+    serve.add_argument("--dtype", help="override the config's dtype (the target's)")
+    serve.add_argument("--draft-dtype", help="override the config's draft_dtype (e.g. int8)")
     serve.set_defaults(func=_serve)
 
     generate = commands.add_parser("generate", help="call the gRPC endpoint")
@@ -74,7 +76,51 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory", nargs="?", default=str(TINY_DIR))
     tiny.set_defaults(func=_tiny_models)
     _add_loadtest(commands)
+    _add_bench(commands)
+
+    demo = commands.add_parser("demo", help="what `make run` runs: serve the bundled pair, "
+                               "stream two prompts, benchmark a small sample")
+    demo.add_argument("--limit", type=int, default=3, help="HumanEval prompts to benchmark")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--out", default="bench-results", help="folder for the JSON and plot")
+    demo.set_defaults(func=_demo)
     return parser
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="speculative vs target-only through the service, "
+                                "and Hugging Face assisted generation in process")
+    bench.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    bench.add_argument("--application", default=DEFAULT_APPLICATION)
+    bench.add_argument("--dataset", default="humaneval",
+                       help="humaneval, mt-bench, spec-bench, or a .jsonl path")
+    bench.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
+    bench.add_argument("--category", help="only this category of the dataset")
+    bench.add_argument("--limit", type=int, default=20, help="first N prompts (default 20)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bench.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
+    bench.add_argument("--k", default="auto", type=_k_value,
+                       help="speculative tokens per round in the speculative mode: int or auto")
+    bench.add_argument("--no-hf", action="store_true",
+                       help="skip the in-process Hugging Face assisted-generation baseline")
+    bench.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
+    bench.add_argument("--json", metavar="OUT", help="one record per prompt and a summary")
+    bench.add_argument("--plot", metavar="OUT.png", help="speedup per prompt, acceptance per "
+                       "draft position")
+    bench.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specdec import bench
+
+    return bench.main(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from specdec import demo
+
+    return demo.main(args)
 
 
 def _add_loadtest(commands) -> None:
@@ -144,7 +190,7 @@ def _cluster(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from specdec.cluster import local
-    from specdec.deployments.deploy import deploy
+    from specdec.deployments.deploy import deploy, resolve_bundled
 
     address = args.address
     if args.local:
@@ -153,8 +199,12 @@ def _serve(args: argparse.Namespace) -> None:
         except RuntimeError:
             address = local.up().address
     overrides = {k: v for k, v in (("draft_model", args.draft_model),
-                                   ("target_model", args.target_model)) if v}
+                                   ("target_model", args.target_model), ("dtype", args.dtype),
+                                   ("draft_dtype", args.draft_dtype)) if v}
     config = _config_path(args.config)
+    if args.local or args.address is None:  # a cluster on this machine: convert bundled
+        # models here, once, with progress bars, instead of in every replica
+        overrides = resolve_bundled(config, overrides)
     deploy(config, address=address or local.address(), overrides=overrides)
     print(f"specdec is serving (config {config}); gRPC on port {_grpc_port(config)}, "
           f"application '{DEFAULT_APPLICATION}'")

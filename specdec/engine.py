@@ -17,7 +17,7 @@ from specdec.round_loop import Completion, LoopConfig, RoundLoop
 from specdec.sampling import SamplingParams
 from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES
 from specdec.stopping import Delta
-from specdec.verifier import TargetVerifier
+from specdec.verifier import TargetVerifier, fixed_width_for
 from specdec.v1 import worker_pb2
 
 DEFAULT_MAX_SPECULATIVE_TOKENS = 8
@@ -55,17 +55,22 @@ class SpeculativeEngine:
         max_speculative_tokens: k_max, the largest k a request may ask for.
         cache_capacity_bytes: per-model bound of the session KV caches, in bytes.
         draft_top_n: the draft samples from its top-N tokens (0 = the whole vocabulary).
+        fixed_shape_verify: run every target decode forward at width k_max + 1 so that greedy
+            output cannot depend on k through rounding (TargetVerifier); None = on in half
+            precision.
     """
 
     def __init__(self, draft: LoadedModel, target: LoadedModel, *,
                  max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
                  cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-                 draft_top_n: int = DEFAULT_DRAFT_TOP_N) -> None:
+                 draft_top_n: int = DEFAULT_DRAFT_TOP_N,
+                 fixed_shape_verify: bool | None = None) -> None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
         self.draft, self.target = draft, target
         self.tokenizer = target.tokenizer
+        width = fixed_width_for(target, max_speculative_tokens, fixed_shape_verify)
         self.transport = LocalTransport(DraftProposer(draft, cache_capacity_bytes),
-                                        TargetVerifier(target, cache_capacity_bytes))
+                                        TargetVerifier(target, cache_capacity_bytes, width))
         self.limits = ModelLimits(
             vocab_size=target.vocab_size,
             context_limit=min(draft.context_limit, target.context_limit),
@@ -77,9 +82,13 @@ class SpeculativeEngine:
     @classmethod
     def from_pretrained(cls, draft_model: str | os.PathLike, target_model: str | os.PathLike, *,
                         dtype: str = "float32", device: str | torch.device = "cpu",
-                        **kwargs: Any) -> "SpeculativeEngine":
-        """Loads both models offline (see specdec.models.load_model) and builds the engine."""
-        draft, target = load_model_pair(draft_model, target_model, dtype=dtype, device=device)
+                        draft_dtype: str | None = None, **kwargs: Any) -> "SpeculativeEngine":
+        """Loads both models offline (see specdec.models.load_model_pair) and builds the engine.
+
+        ``draft_dtype`` defaults to ``dtype``; "int8" makes a CPU draft about twice as fast.
+        """
+        draft, target = load_model_pair(draft_model, target_model, dtype=dtype, device=device,
+                                        draft_dtype=draft_dtype)
         return cls(draft, target, **kwargs)
 
     def generate(self, prompt: str | Sequence[int] | None = None,

@@ -27,6 +27,10 @@ class SpeculationStats:
         overhead_time_s: decode-round seconds spent outside the models (transport, scheduling,
             stop checks); the prefill round is not included.
         mean_k: mean speculative tokens per decode round.
+        prefill_draft_time_s, prefill_verify_time_s: the prefill's share of draft_time_s and
+            verify_time_s, so per-round decode costs can be computed without it.
+        drafted_per_position: decode rounds that drafted a token at position i (0-based);
+            accepted_per_position[i] / drafted_per_position[i] is the acceptance at position i.
     """
 
     rounds: int = 0
@@ -41,6 +45,14 @@ class SpeculationStats:
     verify_time_s: float = 0.0
     overhead_time_s: float = 0.0
     mean_k: float = 0.0
+    prefill_draft_time_s: float = 0.0
+    prefill_verify_time_s: float = 0.0
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_rounds(self) -> int:
+        """Rounds after the prefill."""
+        return max(self.rounds - 1, 0)
 
     def to_proto(self) -> specdec_pb2.SpeculationStats:
         return specdec_pb2.SpeculationStats(**dataclasses.asdict(self))
@@ -48,7 +60,8 @@ class SpeculationStats:
     @classmethod
     def from_proto(cls, message: specdec_pb2.SpeculationStats) -> "SpeculationStats":
         values = {f.name: getattr(message, f.name) for f in dataclasses.fields(cls)}
-        values["accepted_per_position"] = list(values["accepted_per_position"])
+        for name in ("accepted_per_position", "drafted_per_position"):
+            values[name] = list(values[name])
         return cls(**values)
 
 
@@ -57,7 +70,8 @@ class StatsRecorder:
 
     def __init__(self, k_max: int) -> None:
         self.start = time.perf_counter()
-        self.stats = SpeculationStats(accepted_per_position=[0] * k_max)
+        self.stats = SpeculationStats(accepted_per_position=[0] * k_max,
+                                      drafted_per_position=[0] * k_max)
         self._decode_rounds = 0
         self._k_total = 0
 
@@ -65,6 +79,8 @@ class StatsRecorder:
         self.stats.rounds += 1
         self.stats.draft_time_s += draft_s
         self.stats.verify_time_s += verify_s
+        self.stats.prefill_draft_time_s = draft_s
+        self.stats.prefill_verify_time_s = verify_s
         self.stats.ttft_s = time.perf_counter() - self.start
 
     def round(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
@@ -73,6 +89,8 @@ class StatsRecorder:
         s.rounds += 1
         s.draft_tokens += k
         s.accepted_tokens += num_accepted
+        for i in range(k):
+            s.drafted_per_position[i] += 1
         for i in range(num_accepted):
             s.accepted_per_position[i] += 1
         s.draft_time_s += draft_s

@@ -7,15 +7,54 @@ import time
 import torch
 
 from specdec.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.session_model import SessionModel
+from specdec.fixed_shape import use_row_wise_attention
+from specdec.models import LoadedModel
+from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
 from specdec.speculative import verify_greedy, verify_sampled
 from specdec.v1 import worker_pb2
 
 TARGET_STREAM = "target"
 
 
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def fixed_width_for(loaded: LoadedModel, max_speculative_tokens: int,
+                    fixed_shape: bool | None = None) -> int | None:
+    """The verifier's fixed forward width: k_max + 1 positions when ``fixed_shape`` is True, or
+    when it is None and the target runs in half precision (see TargetVerifier); else None."""
+    if fixed_shape is None:
+        fixed_shape = loaded.model.dtype in HALF_PRECISION
+    return max_speculative_tokens + 1 if fixed_shape else None
+
+
 class TargetVerifier(SessionModel):
-    """Runs the target model over session caches (see SessionModel for the arguments)."""
+    """Runs the target model over session caches.
+
+    Args:
+        loaded, cache_capacity_bytes: as SessionModel.
+        fixed_width: when set (k_max + 1), every decode forward runs exactly this many positions,
+            the real ones first and copies of the last one after them, with row-wise attention,
+            so that a position's logits do not depend on k (specdec.fixed_shape explains why
+            bfloat16 needs it). Causal attention keeps the padding out of the real positions,
+            and the padding's KV is cropped.
+    """
+
+    def __init__(self, loaded: LoadedModel,
+                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+                 fixed_width: int | None = None) -> None:
+        super().__init__(loaded, cache_capacity_bytes)
+        self.fixed_width = None
+        self.set_fixed_width(fixed_width)
+
+    def set_fixed_width(self, width: int | None) -> None:
+        """Turns the fixed width (and with it row-wise attention: specdec.fixed_shape) on for
+        ``width`` positions, or off for None."""
+        if width and not self.fixed_width:
+            use_row_wise_attention(self.loaded.model)
+        elif not width and self.fixed_width:
+            self.loaded.model.set_attn_implementation("sdpa")
+        self.fixed_width = width
 
     def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         """Runs the pending committed tokens plus the k draft tokens in one forward pass.
@@ -35,7 +74,7 @@ class TargetVerifier(SessionModel):
                 return worker_pb2.VerifyResponse(cache_miss=True)
             drafts = list(request.draft_token_ids)
             k = len(drafts)
-            logits = self.feed(active, active.pending + drafts, num_logits=k + 1).float()
+            logits = self._forward(active, active.pending + drafts, num_logits=k + 1).float()
             draft_ids = torch.tensor(drafts, dtype=torch.long)
             sampling = request.sampling
             if sampling.temperature == 0:
@@ -50,6 +89,17 @@ class TargetVerifier(SessionModel):
         return worker_pb2.VerifyResponse(num_accepted=num_accepted, token_ids=emitted,
                                          logprobs=emitted_logprobs.tolist(),
                                          compute_s=time.perf_counter() - start)
+
+    def _forward(self, active, token_ids: list[int], num_logits: int) -> torch.Tensor:
+        """feed(), padded to the fixed width in decode rounds (not in a prefill or rebuild,
+        whose single forward is the same whatever k is)."""
+        width = self.fixed_width
+        rebuilding = len(active.pending) == len(active.committed)
+        if width is None or rebuilding or len(token_ids) >= width:
+            return self.feed(active, token_ids, num_logits)
+        real = len(token_ids)
+        logits = self.feed(active, token_ids + [token_ids[-1]] * (width - real), num_logits=width)
+        return logits[real - num_logits: real]
 
     def _verify_sampled(self, request: worker_pb2.VerifyRequest, draft_ids: torch.Tensor,
                         logits: torch.Tensor, position: int) -> tuple[int, int]:

@@ -49,7 +49,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,9 @@ class SpeculationStats(_message.Message):
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     MEAN_K_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -74,7 +77,10 @@ class SpeculationStats(_message.Message):
     verify_time_s: float
     overhead_time_s: float
     mean_k: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ...) -> None: ...
+    prefill_draft_time_s: float
+    prefill_verify_time_s: float
+    drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "stats")
@@ -97,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens")
+    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens", "draft_dtype", "target_dtype")
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +113,8 @@ class ModelInfo(_message.Message):
     DRAFT_POOL_FIELD_NUMBER: _ClassVar[int]
     TARGET_POOL_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     draft_model: str
     target_model: str
     vocab_size: int
@@ -116,4 +124,6 @@ class ModelInfo(_message.Message):
     draft_pool: str
     target_pool: str
     max_speculative_tokens: int
-    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+    draft_dtype: str
+    target_dtype: str
+    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ...) -> None: ...

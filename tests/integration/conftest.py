@@ -7,23 +7,12 @@ gRPC port, short timeouts, two fixed target replicas (so a replica can be killed
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from pathlib import Path
 
 import pytest
 import yaml
 
-from specdec.client import SpecdecClient
-
-ROOT = Path(__file__).resolve().parents[2]
-LOCAL_CONFIG = ROOT / "deployments" / "config" / "local.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from local_service import LOCAL_CONFIG, free_port, serving
 
 
 def write_config(tmp: Path, draft: Path, target: Path,
@@ -34,11 +23,13 @@ def write_config(tmp: Path, draft: Path, target: Path,
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes).
     """
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    port = _free_port()
+    port = free_port()
     config["grpc_options"]["port"] = port
-    config["http_options"]["port"] = _free_port()
+    config["http_options"]["port"] = free_port()
     app = config["applications"][0]
-    app["args"].update(draft_model=str(draft), target_model=str(target), call_timeout_s=5,
+    app["args"].pop("draft_dtype", None)  # the tiny pair runs in float32 on both sides
+    app["args"].update(draft_model=str(draft), target_model=str(target), dtype="float32",
+                       call_timeout_s=5,
                        unavailable_after_s=8, cache_capacity_bytes=64 * 1024**2)
     for deployment in app["deployments"]:
         if autoscaling is None:
@@ -49,29 +40,6 @@ def write_config(tmp: Path, draft: Path, target: Path,
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, port
-
-
-@contextlib.contextmanager
-def serving(tmp: Path, config: Path, port: int):
-    """Starts a local cluster in ``tmp/state``, deploys ``config`` and yields (client,
-    ClusterInfo, gRPC address); afterwards shuts Serve down, disconnects and stops exactly that
-    cluster."""
-    import ray
-    from ray import serve
-
-    from specdec.cluster.local import LocalCluster
-    from specdec.deployments.deploy import deploy
-
-    with LocalCluster(tmp / "state") as info:
-        try:
-            deploy(config, address=info.address, timeout_s=300)
-            address = f"127.0.0.1:{port}"
-            with SpecdecClient(address, timeout_s=120) as client:
-                yield client, info, address
-        finally:
-            if ray.is_initialized():
-                serve.shutdown()
-                ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,442 @@
+"""`specdec bench`: what speculation buys, measured through the deployed service.
+
+For every prompt of a prompt set (specdec.datasets) it runs, one request at a time:
+
+1. ``target_only``: the service with ``k = 0`` (plain decoding on the target deployment);
+2. ``speculative``: the same service with ``--k`` (default adaptive);
+3. ``hf_assisted``: Hugging Face assisted generation (``generate(assistant_model=...)``) in this
+   process, on the same model files, dtypes and token ids (skip it with ``--no-hf``).
+
+Reported per mode: tokens per second, TTFT, speedup over target-only, acceptance rate, tokens per
+round, mean k, the speedup predicted from measured acceptance and step costs and the share of
+it achieved, orchestration overhead per round, and, greedy only, the share of prompts whose
+output equals target-only token for token.
+
+The predicted speedup is the decode-phase bound of Leviathan et al. 2023 (§3.1) with measured
+costs instead of a cost ratio: E(a, k) * t_target / (t_draft_round + t_verify_round), where
+E(a, k) = (1 - a^(k+1)) / (1 - a) at the measured acceptance a and mean k, t_target is the
+target-only decode step, and the round costs are the measured compute of the speculative run
+(prefill excluded). Orchestration is not in the bound, so the share achieved shows what
+transport and scheduling cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from specdec.adaptive import expected_tokens
+from specdec.client import SpecdecClient, build_request
+from specdec.datasets import BenchPrompt
+from specdec.stats import SpeculationStats
+
+TARGET_ONLY, SPECULATIVE, HF_ASSISTED = "target_only", "speculative", "hf_assisted"
+
+
+@dataclasses.dataclass
+class Run:
+    """One prompt in one mode.
+
+    Attributes:
+        token_ids: the completion's token ids.
+        tokens_per_second: completion tokens / seconds from the request's start to its end.
+        ttft_s: seconds to the first token.
+        stats: the service's speculation stats (None for the in-process baseline).
+    """
+
+    mode: str
+    token_ids: list[int]
+    text: str
+    tokens_per_second: float
+    ttft_s: float
+    stats: SpeculationStats | None = None
+
+    @property
+    def seconds(self) -> float:
+        return len(self.token_ids) / self.tokens_per_second if self.tokens_per_second else 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds after the first token."""
+        return max(self.seconds - self.ttft_s, 1e-9)
+
+    def record(self) -> dict[str, Any]:
+        out = {"mode": self.mode, "completion_tokens": len(self.token_ids),
+               "tokens_per_second": self.tokens_per_second, "ttft_s": self.ttft_s,
+               "text": self.text, "token_ids": self.token_ids}
+        if self.stats is not None:
+            out["stats"] = dataclasses.asdict(self.stats)
+        return out
+
+
+def service_run(client: SpecdecClient, prompt: BenchPrompt, mode: str, k: int | None,
+                sampling: dict[str, Any]) -> Run:
+    """One unary Generate call; ``k`` None = adaptive. Raises grpc.RpcError."""
+    request = build_request(**prompt.request_fields(), num_speculative_tokens=k, **sampling)
+    response = client.generate(request)
+    stats = SpeculationStats.from_proto(response.stats)
+    return Run(mode, list(response.token_ids), response.text, stats.tokens_per_second,
+               stats.ttft_s, stats)
+
+
+class HFAssisted:
+    """Hugging Face assisted generation in this process, on the service's model files.
+
+    Loads the target in ``target_dtype`` and the draft in ``draft_dtype`` with
+    specdec.models.load_model (so an int8 draft is the same int8 draft), and generates with
+    ``target.generate(..., assistant_model=draft)`` and transformers' default assistant
+    schedule. Prompts are encoded exactly as the router encodes them.
+    """
+
+    def __init__(self, draft_model: str, target_model: str, *, draft_dtype: str,
+                 target_dtype: str) -> None:
+        from specdec.models import load_model_pair
+
+        self.draft, self.target = load_model_pair(draft_model, target_model, dtype=target_dtype,
+                                                  draft_dtype=draft_dtype)
+
+    def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
+        import torch
+
+        from specdec.request import encode_prompt
+
+        fields = prompt.request_fields()
+        ids = encode_prompt(self.target.tokenizer, fields.get("prompt"), fields.get("messages"))
+        temperature = sampling.get("temperature") or 0.0
+        kwargs = {"do_sample": temperature > 0}
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=sampling.get("top_p") or 1.0,
+                          top_k=sampling.get("top_k") or 0)
+        clock = _FirstTokenClock()
+        with torch.inference_mode(), _quiet_transformers():
+            out = self.target.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                assistant_model=self.draft.model, max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(self.target.eos_token_ids),
+                pad_token_id=self.target.tokenizer.pad_token_id, streamer=clock, **kwargs)
+        seconds = time.perf_counter() - clock.start
+        token_ids = [int(t) for t in out[0, len(ids):]]
+        while token_ids and token_ids[-1] in self.target.eos_token_ids:
+            token_ids.pop()  # the service does not return the EOS token either
+        text = self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Run(HF_ASSISTED, token_ids, text, len(token_ids) / seconds,
+                   (clock.first or time.perf_counter()) - clock.start)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """generate() warns about arguments every call; the bench's own output is the point."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class _FirstTokenClock:
+    """A generate() streamer that only notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self._puts = 0
+
+    def put(self, value) -> None:
+        self._puts += 1  # the first put is the prompt
+        if self._puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def predicted_speedup(spec: SpeculationStats, base: SpeculationStats) -> float | None:
+    """The decode-phase bound (module docstring) from one speculative and one target-only run,
+    or summed stats of many. None when either has no decode round."""
+    if spec.decode_rounds == 0 or base.decode_rounds == 0:
+        return None
+    t_target = (base.verify_time_s - base.prefill_verify_time_s) / base.decode_rounds
+    round_s = (spec.draft_time_s - spec.prefill_draft_time_s + spec.verify_time_s
+               - spec.prefill_verify_time_s) / spec.decode_rounds
+    mean_k = spec.draft_tokens / spec.decode_rounds
+    # expected_tokens takes an integer k; interpolate for a mean k between two integers.
+    low = int(mean_k)
+    tokens = expected_tokens(spec.acceptance_rate, low)
+    if mean_k > low:
+        high = expected_tokens(spec.acceptance_rate, low + 1)
+        tokens += (mean_k - low) * (high - tokens)
+    return tokens * t_target / round_s if round_s > 0 else None
+
+
+def sum_stats(stats: Iterable[SpeculationStats]) -> SpeculationStats:
+    """Adds counts and times; rates are recomputed from the sums."""
+    total = SpeculationStats()
+    for s in stats:
+        for field in ("rounds", "draft_tokens", "accepted_tokens", "draft_time_s",
+                      "verify_time_s", "overhead_time_s", "prefill_draft_time_s",
+                      "prefill_verify_time_s"):
+            setattr(total, field, getattr(total, field) + getattr(s, field))
+        for field in ("accepted_per_position", "drafted_per_position"):
+            ours, theirs = getattr(total, field), getattr(s, field)
+            setattr(total, field, [a + b for a, b in zip(ours, theirs)] if ours else list(theirs))
+    total.acceptance_rate = total.accepted_tokens / total.draft_tokens if total.draft_tokens else 0.0
+    decode = total.decode_rounds
+    total.mean_accepted_tokens = (total.accepted_tokens + decode) / decode if decode else 0.0
+    total.mean_k = total.draft_tokens / decode if decode else 0.0
+    return total
+
+
+@dataclasses.dataclass
+class PromptResult:
+    prompt: BenchPrompt
+    runs: dict[str, Run]
+
+    def record(self, greedy: bool) -> dict[str, Any]:
+        base = self.runs[TARGET_ONLY]
+        out: dict[str, Any] = {"id": self.prompt.id, "category": self.prompt.category,
+                               "modes": {m: r.record() for m, r in self.runs.items()}}
+        for mode, run in self.runs.items():
+            if mode == TARGET_ONLY:
+                continue
+            entry = out["modes"][mode]
+            entry["speedup"] = run.tokens_per_second / base.tokens_per_second
+            if greedy:
+                entry["exact"] = run.token_ids == base.token_ids
+            if run.stats is not None:
+                entry["predicted_speedup"] = predicted_speedup(run.stats, base.stats)
+        return out
+
+
+def summarize(results: Sequence[PromptResult], greedy: bool) -> dict[str, dict[str, Any]]:
+    """Per mode: aggregate tokens/s (all tokens / all seconds), median TTFT, speedups, the
+    speculation figures from summed stats, and the exact-match share (greedy)."""
+    modes = list(results[0].runs)
+    base_runs = [r.runs[TARGET_ONLY] for r in results]
+    base_tps = _aggregate_tps(base_runs)
+    base_decode = _decode_tps(base_runs)
+    base_stats = sum_stats(r.stats for r in base_runs)
+    summary = {}
+    for mode in modes:
+        runs = [r.runs[mode] for r in results]
+        row: dict[str, Any] = {
+            "prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs),
+            "tokens_per_second": _aggregate_tps(runs),
+            "ttft_s": statistics.median(r.ttft_s for r in runs),
+            "speedup": _aggregate_tps(runs) / base_tps,
+            "median_prompt_speedup": statistics.median(
+                r.tokens_per_second / b.tokens_per_second for r, b in zip(runs, base_runs)),
+            "decode_speedup": _decode_tps(runs) / base_decode,
+        }
+        if greedy and mode != TARGET_ONLY:
+            row["exact_share"] = sum(r.token_ids == b.token_ids
+                                     for r, b in zip(runs, base_runs)) / len(runs)
+        if all(r.stats is not None for r in runs):
+            total = sum_stats(r.stats for r in runs)
+            row.update(acceptance_rate=total.acceptance_rate,
+                       tokens_per_round=total.mean_accepted_tokens, mean_k=total.mean_k,
+                       overhead_ms_per_round=(1e3 * total.overhead_time_s / total.decode_rounds
+                                              if total.decode_rounds else 0.0),
+                       acceptance_per_position=[a / d if d else None for a, d in zip(
+                           total.accepted_per_position, total.drafted_per_position)])
+            if mode != TARGET_ONLY:
+                bound = predicted_speedup(total, base_stats)
+                row["predicted_speedup"] = bound
+                row["share_of_bound"] = row["decode_speedup"] / bound if bound else None
+        summary[mode] = row
+    return summary
+
+
+def _aggregate_tps(runs: Sequence[Run]) -> float:
+    return sum(len(r.token_ids) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
+
+
+def _decode_tps(runs: Sequence[Run]) -> float:
+    return (sum(max(len(r.token_ids) - 1, 0) for r in runs)
+            / max(sum(r.decode_seconds for r in runs), 1e-9))
+
+
+def format_table(summary: dict[str, dict[str, Any]], greedy: bool) -> str:
+    """The summary as a fixed-width text table, one row per mode ("-": not measured)."""
+    columns = [("mode", 12, None, "s"), ("tok/s", 7, "tokens_per_second", ".2f"),
+               ("TTFT ms", 8, "ttft_ms", ".0f"), ("speedup", 8, "speedup", ".2fx"),
+               ("accept", 7, "acceptance_rate", ".2f"), ("tok/rnd", 8, "tokens_per_round", ".2f"),
+               ("mean k", 7, "mean_k", ".2f"), ("bound", 7, "predicted_speedup", ".2fx"),
+               ("share", 6, "share_of_bound", ".0%"), ("ovh ms", 7, "overhead_ms_per_round", ".1f")]
+    if greedy:
+        columns.append(("exact", 6, "exact_share", ".0%"))
+
+    def cell(value, width, spec):
+        if value is None:
+            text = "-"
+        elif spec.endswith("x"):
+            text = format(value, spec[:-1]) + "x"
+        else:
+            text = format(value, spec)
+        return text.ljust(width) if spec == "s" else text.rjust(width)
+
+    lines = [" ".join(name.ljust(w) if i == 0 else name.rjust(w)
+                      for i, (name, w, _, _) in enumerate(columns))]
+    lines.append("-" * len(lines[0]))
+    for mode, row in summary.items():
+        values = {**row, "ttft_ms": row["ttft_s"] * 1e3}
+        lines.append(" ".join(cell(mode if key is None else values.get(key), width, spec)
+                              for _, width, key, spec in columns))
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[PromptResult], summary: dict[str, dict[str, Any]], path: str) -> None:
+    """Speedup per prompt (one bar per mode) and acceptance per draft position, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in results[0].runs if m != TARGET_ONLY]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5),
+                                      gridspec_kw={"width_ratios": [2.2, 1]})
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        speedups = [r.runs[mode].tokens_per_second / r.runs[TARGET_ONLY].tokens_per_second
+                    for r in results]
+        left.bar([x + i * width for x in range(len(results))], speedups, width, label=mode)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(results))],
+                    [r.prompt.id for r in results], rotation=60, ha="right", fontsize=7)
+    left.set_ylabel("speedup over target-only (tokens/s)")
+    left.set_title("Speedup per prompt")
+    left.legend()
+    per_position = summary.get(SPECULATIVE, {}).get("acceptance_per_position") or []
+    points = [(i + 1, a) for i, a in enumerate(per_position) if a is not None]
+    if points:
+        right.plot([p for p, _ in points], [a for _, a in points], marker="o")
+    right.set_ylim(0, 1.05)
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance rate")
+    right.set_title("Acceptance per draft position (speculative)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> str:
+    """A one-line description of this machine: CPU model, cores, memory, Python."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import os
+        memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+        cores = os.cpu_count()
+    except (ValueError, OSError, AttributeError):
+        memory, cores = "", "?"
+    return f"{cpu}, {cores} cores{memory}, Python {platform.python_version()}"
+
+
+def write_json(path: str, results: Sequence[PromptResult], summary: dict, config: dict,
+               greedy: bool) -> None:
+    Path(path).write_text(json.dumps({
+        "command": " ".join(sys.argv), "machine": machine(), "config": config,
+        "prompts": [r.record(greedy) for r in results], "summary": summary}, indent=1))
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def run_all(client: SpecdecClient, prompts: Sequence[BenchPrompt], *, k: int | None,
+            max_new_tokens: int, temperature: float, seed: int,
+            hf: HFAssisted | None) -> list[PromptResult]:
+    """Every prompt in every mode, one request at a time, under a progress bar."""
+    from tqdm.auto import tqdm
+
+    modes = [TARGET_ONLY, SPECULATIVE] + ([HF_ASSISTED] if hf else [])
+    results = []
+    with tqdm(total=len(prompts) * len(modes), unit="run", desc="bench") as progress:
+        for i, prompt in enumerate(prompts):
+            sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                        "seed": seed + i}
+            runs = {}
+            for mode in modes:
+                progress.set_postfix_str(f"{prompt.id} {mode}")
+                if mode == HF_ASSISTED:
+                    runs[mode] = hf.run(prompt, max_new_tokens, sampling)
+                else:
+                    runs[mode] = service_run(client, prompt, mode,
+                                             0 if mode == TARGET_ONLY else k, sampling)
+                progress.update()
+            results.append(PromptResult(prompt, runs))
+    return results
+
+
+def _warm_up(client: SpecdecClient, prompt: BenchPrompt, k: int | None,
+             hf: HFAssisted | None) -> None:
+    """Pages the weights in and gives the adaptive controller its first cost samples."""
+    for mode_k in (0, k):
+        service_run(client, prompt, "warm-up", mode_k, {"max_new_tokens": 16})
+    if hf:
+        hf.run(prompt, 16, {})
+
+
+def _load_hf(info, no_hf: bool) -> HFAssisted | None:
+    if no_hf:
+        return None
+    if not (Path(info.draft_model).exists() and Path(info.target_model).exists()):
+        print(f"# HF baseline skipped: the service's model files ({info.draft_model}, "
+              f"{info.target_model}) are not on this machine", file=sys.stderr)
+        return None
+    print(f"# loading the HF baseline: target {info.target_dtype}, draft {info.draft_dtype}",
+          file=sys.stderr, flush=True)
+    return HFAssisted(info.draft_model, info.target_model, draft_dtype=info.draft_dtype,
+                      target_dtype=info.target_dtype)
+
+
+def main(args) -> int:
+    """`specdec bench` (see specdec.cli for the flags). Returns 1 when a greedy speculative
+    output differs from target-only, else 0."""
+    from specdec.datasets import load_prompts
+
+    prompts = load_prompts(args.dataset, category=args.category, limit=args.limit,
+                           data_file=args.data_file)
+    greedy = not args.temperature
+    with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
+        info = client.model_info()
+        hf = _load_hf(info, args.no_hf)
+        _warm_up(client, prompts[0], args.k, hf)
+        results = run_all(client, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed, hf=hf)
+    summary = summarize(results, greedy)
+    k_text = "auto" if args.k is None else args.k
+    config = {"dataset": args.dataset, "category": args.category, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "k": k_text, "target_model": info.target_model, "target_dtype": info.target_dtype,
+              "draft_model": info.draft_model, "draft_dtype": info.draft_dtype}
+    print(f"\n# {args.dataset}{'/' + args.category if args.category else ''}: {len(prompts)} "
+          f"prompts, {args.max_new_tokens} new tokens, "
+          f"{'greedy' if greedy else f'temperature {args.temperature}'}, k={k_text}; target "
+          f"{Path(info.target_model).name} ({info.target_dtype}), draft "
+          f"{Path(info.draft_model).name} ({info.draft_dtype})\n# machine: {machine()}")
+    print(format_table(summary, greedy), flush=True)
+    if args.json:
+        write_json(args.json, results, summary, config, greedy)
+    if args.plot:
+        plot(results, summary, args.plot)
+    inexact = greedy and summary[SPECULATIVE].get("exact_share", 1.0) < 1.0
+    if inexact:
+        print("specdec bench: a greedy speculative output differs from target-only",
+              file=sys.stderr)
+    return 1 if inexact else 0

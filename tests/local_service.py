@@ -1,0 +1,42 @@
+"""Serving on a real local cluster, for the integration and e2e tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from pathlib import Path
+
+from specdec.client import SpecdecClient
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_CONFIG = ROOT / "deployments" / "config" / "local.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, config: Path, port: int, deploy_timeout_s: float = 300,
+            call_timeout_s: float = 120):
+    """Starts a local cluster in ``tmp/state``, deploys ``config`` and yields (client,
+    ClusterInfo, gRPC address); afterwards shuts Serve down, disconnects and stops exactly that
+    cluster."""
+    import ray
+    from ray import serve
+
+    from specdec.cluster.local import LocalCluster
+    from specdec.deployments.deploy import deploy
+
+    with LocalCluster(tmp / "state") as info:
+        try:
+            deploy(config, address=info.address, timeout_s=deploy_timeout_s)
+            address = f"127.0.0.1:{port}"
+            with SpecdecClient(address, timeout_s=call_timeout_s) as client:
+                yield client, info, address
+        finally:
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
