@@ -13,11 +13,12 @@ it achieved, orchestration overhead per round, and, greedy only, the share of pr
 output equals target-only token for token.
 
 The predicted speedup is the decode-phase bound of Leviathan et al. 2023 (§3.1) with measured
-costs instead of a cost ratio: E(a, k) * t_target / (t_draft_round + t_verify_round), where
-E(a, k) = (1 - a^(k+1)) / (1 - a) at the measured acceptance a and mean k, t_target is the
-target-only decode step, and the round costs are the measured compute of the speculative run
-(prefill excluded). Orchestration is not in the bound, so the share achieved shows what
-transport and scheduling cost.
+quantities in place of its model: tokens per round * t_target / (t_draft_round + t_verify_round),
+where tokens per round is the measured mean (accepted + 1 per round; the paper's
+(1 - a^(k+1)) / (1 - a) assumes independent acceptances, and code drafts are accepted in bursts,
+so it underestimates), t_target is the target-only decode step and the round costs are the
+speculative run's measured compute (prefill excluded). Orchestration is not in the bound, so
+the share achieved (decode-phase speedup / bound) shows what transport and scheduling cost.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from specdec.adaptive import expected_tokens
 from specdec.client import SpecdecClient, build_request
 from specdec.datasets import BenchPrompt
 from specdec.stats import SpeculationStats
@@ -114,6 +114,7 @@ class HFAssisted:
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=sampling.get("top_p") or 1.0,
                           top_k=sampling.get("top_k") or 0)
+            torch.manual_seed(sampling.get("seed") or 0)
         clock = _FirstTokenClock()
         with torch.inference_mode(), _quiet_transformers():
             out = self.target.model.generate(
@@ -122,9 +123,7 @@ class HFAssisted:
                 eos_token_id=sorted(self.target.eos_token_ids),
                 pad_token_id=self.target.tokenizer.pad_token_id, streamer=clock, **kwargs)
         seconds = time.perf_counter() - clock.start
-        token_ids = [int(t) for t in out[0, len(ids):]]
-        while token_ids and token_ids[-1] in self.target.eos_token_ids:
-            token_ids.pop()  # the service does not return the EOS token either
+        token_ids = [int(t) for t in out[0, len(ids):]]  # EOS kept, as the service keeps it
         text = self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Run(HF_ASSISTED, token_ids, text, len(token_ids) / seconds,
                    (clock.first or time.perf_counter()) - clock.start)
@@ -165,19 +164,14 @@ class _FirstTokenClock:
 
 def predicted_speedup(spec: SpeculationStats, base: SpeculationStats) -> float | None:
     """The decode-phase bound (module docstring) from one speculative and one target-only run,
-    or summed stats of many. None when either has no decode round."""
+    or summed stats of many: tokens per decode round x target step / round compute. None when
+    either has no decode round."""
     if spec.decode_rounds == 0 or base.decode_rounds == 0:
         return None
     t_target = (base.verify_time_s - base.prefill_verify_time_s) / base.decode_rounds
     round_s = (spec.draft_time_s - spec.prefill_draft_time_s + spec.verify_time_s
                - spec.prefill_verify_time_s) / spec.decode_rounds
-    mean_k = spec.draft_tokens / spec.decode_rounds
-    # expected_tokens takes an integer k; interpolate for a mean k between two integers.
-    low = int(mean_k)
-    tokens = expected_tokens(spec.acceptance_rate, low)
-    if mean_k > low:
-        high = expected_tokens(spec.acceptance_rate, low + 1)
-        tokens += (mean_k - low) * (high - tokens)
+    tokens = (spec.accepted_tokens + spec.decode_rounds) / spec.decode_rounds
     return tokens * t_target / round_s if round_s > 0 else None
 
 
@@ -278,7 +272,8 @@ def format_table(summary: dict[str, dict[str, Any]], greedy: bool) -> str:
     columns = [("mode", 12, None, "s"), ("tok/s", 7, "tokens_per_second", ".2f"),
                ("TTFT ms", 8, "ttft_ms", ".0f"), ("speedup", 8, "speedup", ".2fx"),
                ("accept", 7, "acceptance_rate", ".2f"), ("tok/rnd", 8, "tokens_per_round", ".2f"),
-               ("mean k", 7, "mean_k", ".2f"), ("bound", 7, "predicted_speedup", ".2fx"),
+               ("mean k", 7, "mean_k", ".2f"), ("decode", 7, "decode_speedup", ".2fx"),
+               ("bound", 7, "predicted_speedup", ".2fx"),
                ("share", 6, "share_of_bound", ".0%"), ("ovh ms", 7, "overhead_ms_per_round", ".1f")]
     if greedy:
         columns.append(("exact", 6, "exact_share", ".0%"))
@@ -388,13 +383,16 @@ def run_all(client: SpecdecClient, prompts: Sequence[BenchPrompt], *, k: int | N
     return results
 
 
-def _warm_up(client: SpecdecClient, prompt: BenchPrompt, k: int | None,
-             hf: HFAssisted | None) -> None:
-    """Pages the weights in and gives the adaptive controller its first cost samples."""
-    for mode_k in (0, k):
-        service_run(client, prompt, "warm-up", mode_k, {"max_new_tokens": 16})
-    if hf:
-        hf.run(prompt, 16, {})
+def _check_outputs(args) -> None:
+    """Fails before the run, not after it, on an unwritable --json / --plot or no matplotlib."""
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--json/--plot: no directory for {path}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as err:
+            raise ImportError("--plot needs matplotlib: pip install 'specdec[bench]'") from err
 
 
 def _load_hf(info, no_hf: bool) -> HFAssisted | None:
@@ -417,11 +415,17 @@ def main(args) -> int:
 
     prompts = load_prompts(args.dataset, category=args.category, limit=args.limit,
                            data_file=args.data_file)
+    _check_outputs(args)
     greedy = not args.temperature
     with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
         info = client.model_info()
+        # The warm-up goes first: a request the service refuses fails before any model loads.
+        warm_up = {"max_new_tokens": 16, "temperature": args.temperature, "seed": args.seed}
+        for k in (0, args.k):
+            service_run(client, prompts[0], "warm-up", k, warm_up)
         hf = _load_hf(info, args.no_hf)
-        _warm_up(client, prompts[0], args.k, hf)
+        if hf:
+            hf.run(prompts[0], 16, warm_up)
         results = run_all(client, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed, hf=hf)
     summary = summarize(results, greedy)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(f"specdec: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, ValueError, OSError) as err:
+    except (RuntimeError, ValueError, OSError, ImportError) as err:
         print(f"specdec: {err}", file=sys.stderr)
         return 1
 
@@ -80,8 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="what `make run` runs: serve the bundled pair, "
                                "stream two prompts, benchmark a small sample")
-    demo.add_argument("--limit", type=int, default=3, help="HumanEval prompts to benchmark")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--limit", type=_positive_int, default=3,
+                      help="HumanEval prompts to benchmark (default 3)")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                      help="new tokens per benchmark prompt; the streamed answers get twice "
+                      "as many (default 64)")
     demo.add_argument("--out", default="bench-results", help="folder for the JSON and plot")
     demo.set_defaults(func=_demo)
     return parser
@@ -96,8 +99,10 @@ def _add_bench(commands) -> None:
                        help="humaneval, mt-bench, spec-bench, or a .jsonl path")
     bench.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
     bench.add_argument("--category", help="only this category of the dataset")
-    bench.add_argument("--limit", type=int, default=20, help="first N prompts (default 20)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--limit", type=_positive_int, default=20,
+                       help="first N prompts (default 20)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128,
+                       help="new tokens per request (default 128)")
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bench.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
     bench.add_argument("--k", default="auto", type=_k_value,
@@ -163,6 +168,16 @@ def _loadtest(args: argparse.Namespace) -> int:
     from specdec import loadtest
 
     return loadtest.main(args)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def _k_value(text: str) -> int | None:

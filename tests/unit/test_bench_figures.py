@@ -18,21 +18,21 @@ def _target_only(rounds=11, step_s=0.3, prefill_s=1.0):
                             prefill_verify_time_s=prefill_s)
 
 
-def test_bound_is_the_leviathan_speedup_with_measured_costs():
-    # a = 0.8, k = 4, draft 0.05 s/token, verify 0.3 s/round, target step 0.3 s:
-    # E = (1 - 0.8^5) / 0.2 = 3.3616 tokens per 0.5 s round vs 1 token per 0.3 s.
-    spec = SpeculationStats(rounds=11, draft_tokens=40, accepted_tokens=32, acceptance_rate=0.8,
+def test_bound_is_tokens_per_round_over_round_cost_in_target_steps():
+    # 10 decode rounds of k = 4 committing 33 accepted + 10 = 4.3 tokens per round; draft
+    # 0.05 s/token, verify 0.3 s per round; a target-only step is 0.3 s.
+    spec = SpeculationStats(rounds=11, draft_tokens=40, accepted_tokens=33,
                             draft_time_s=0.2 + 10 * 4 * 0.05, prefill_draft_time_s=0.2,
                             verify_time_s=1.0 + 10 * 0.3, prefill_verify_time_s=1.0)
-    assert predicted_speedup(spec, _target_only()) == pytest.approx(3.3616 * 0.3 / 0.5)
+    assert predicted_speedup(spec, _target_only()) == pytest.approx(4.3 * 0.3 / 0.5)
 
 
-def test_bound_interpolates_a_fractional_mean_k_and_needs_decode_rounds():
-    spec = SpeculationStats(rounds=3, draft_tokens=5, acceptance_rate=0.5, draft_time_s=0.5,
+def test_bound_needs_decode_rounds_on_both_sides():
+    spec = SpeculationStats(rounds=3, draft_tokens=5, accepted_tokens=2, draft_time_s=0.5,
                             verify_time_s=0.6)
-    # mean k 2.5: halfway between E(2) = 1.75 and E(3) = 1.875; round 0.55 s; step 0.3 s.
-    assert predicted_speedup(spec, _target_only()) == pytest.approx(1.8125 * 0.3 / 0.55)
+    assert predicted_speedup(spec, _target_only()) == pytest.approx(2.0 * 0.3 / 0.55)
     assert predicted_speedup(SpeculationStats(rounds=1), _target_only()) is None
+    assert predicted_speedup(spec, SpeculationStats(rounds=1)) is None
 
 
 def test_sum_stats_adds_counts_and_recomputes_rates():
@@ -60,9 +60,9 @@ def test_table_marks_what_a_mode_did_not_measure():
                                "exact_share": 1.0}}
     lines = format_table(summary, greedy=True).splitlines()
     assert lines[0].split() == ["mode", "tok/s", "TTFT", "ms", "speedup", "accept", "tok/rnd",
-                                "mean", "k", "bound", "share", "ovh", "ms", "exact"]
+                                "mean", "k", "decode", "bound", "share", "ovh", "ms", "exact"]
     assert lines[3].split() == ["hf_assisted", "4.50", "700", "1.50x", "-", "-", "-", "-", "-",
-                                "-", "100%"]
+                                "-", "-", "100%"]
     assert len({len(line) for line in lines}) == 1  # fixed width
 
 
@@ -96,5 +96,17 @@ def test_prompt_set_errors_name_the_problem(tmp_path):
         load_prompts("no-such-set")
     with pytest.raises(FileNotFoundError, match="no prompt file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match="limit must be >= 1"):
+    listed = tmp_path / "list.jsonl"
+    listed.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"list.jsonl:1: expected a JSON object"):
+        load_prompts(str(listed))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not JSON"):
+        load_prompts(str(broken))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        load_prompts(str(empty))
+    with pytest.raises(ValueError, match="--limit must be >= 1"):
         load_prompts("humaneval", limit=0)
