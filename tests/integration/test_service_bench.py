@@ -1,4 +1,8 @@
-"""`specdec bench` against the served tiny pair, HF assisted baseline included."""
+"""`specdec bench` against the served tiny pair, HF assisted baseline included.
+
+The file name orders it after test_cluster.py (which needs Ray not yet initialised in this
+process) and before test_serving.py (whose last test kills the target node).
+"""
 
 from __future__ import annotations
 
