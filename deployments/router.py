@@ -49,6 +49,8 @@ class RouterOptions:
             only their tokenizers).
         max_speculative_tokens: k_max.
         draft_top_n: the draft samples from its top-N tokens (0 = whole vocabulary).
+        concurrent_prefill: as specdec.round_loop.LoopConfig (False when both models share a
+            CPU's cores).
         call_timeout_s: seconds one propose or verify may take before it is retried elsewhere.
         unavailable_after_s: seconds of failed retries after which a request gets UNAVAILABLE.
         draft_pool, target_pool: the Ray custom resources of the two deployments (reported by
@@ -59,6 +61,7 @@ class RouterOptions:
     target_model: str
     max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
     draft_top_n: int = 64
+    concurrent_prefill: bool = True
     call_timeout_s: float = 300.0
     unavailable_after_s: float = 30.0
     draft_pool: str = "draft_pool"
@@ -156,7 +159,8 @@ class SpeculativeRouter:
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(self.options.max_speculative_tokens)
         self.config = LoopConfig(k_max=self.options.max_speculative_tokens,
-                                 draft_top_n=self.options.draft_top_n)
+                                 draft_top_n=self.options.draft_top_n,
+                                 concurrent_prefill=self.options.concurrent_prefill)
         self.metrics = RouterMetrics()
         self._info: tuple[dict, dict] | None = None
 

@@ -36,10 +36,15 @@ class Transport(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    """k_max: largest k; draft_top_n: the draft's q truncation (0 = whole vocabulary)."""
+    """k_max: largest k; draft_top_n: the draft's q truncation (0 = whole vocabulary);
+    concurrent_prefill: prefill the draft while the target prefills (right when they run on
+    separate devices). False leaves the draft's prefill to its first propose, after the first
+    token: right when both share a CPU's cores, where running both at once slows the target's
+    prefill (the time to first token) as much as it saves."""
 
     k_max: int
     draft_top_n: int = 64
+    concurrent_prefill: bool = True
 
 
 @dataclasses.dataclass
@@ -103,7 +108,7 @@ class RoundLoop:
     async def _prefill(self) -> Delta:
         """Builds both caches concurrently; the target's prefill also yields the first token."""
         calls = [self._verify([], None)]
-        if self._request.num_speculative_tokens != 0:
+        if self._request.num_speculative_tokens != 0 and self._config.concurrent_prefill:
             calls.append(self._propose(0))
         results = await asyncio.gather(*calls)
         verified = results[0]

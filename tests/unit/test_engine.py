@@ -244,3 +244,18 @@ def test_a_call_finishing_after_its_release_does_not_store_the_session_again(eng
         verifier.feed(active, active.pending, num_logits=1)
         verifier.release(worker_pb2.ReleaseRequest(session_id="late"))
     assert verifier.cache_stats().sessions == 0
+
+
+def test_draft_prefilled_by_its_first_propose_gives_the_same_output(engine):
+    import dataclasses
+
+    concurrent = engine.config
+    engine.config = dataclasses.replace(concurrent, concurrent_prefill=False)
+    try:
+        for prompt in PROMPTS[:4]:
+            sequential = engine.generate(prompt, GREEDY, num_speculative_tokens=3)
+            assert sequential.stats.prefill_draft_time_s == 0.0  # the draft did not prefill
+            assert sequential.stats.draft_tokens > 0
+            assert sequential.token_ids == _target_only(engine, prompt).token_ids
+    finally:
+        engine.config = concurrent
