@@ -37,10 +37,9 @@ def real_service(tmp_path_factory):
     for deployment in config["applications"][0]["deployments"]:
         deployment.pop("autoscaling_config")
         deployment["num_replicas"] = 1
+    # Converts the pair on first use (minutes, once); the args are the shipped config's.
+    config["applications"][0]["args"].update(resolve_bundled(LOCAL_CONFIG))
     path = tmp / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    overrides = resolve_bundled(path)  # converts the pair on first use (minutes, once)
-    config["applications"][0]["args"].update(overrides)
     path.write_text(yaml.safe_dump(config))
     with serving(tmp, path, port, deploy_timeout_s=900, call_timeout_s=600) as (client, _, _):
         yield client
