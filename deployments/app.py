@@ -49,7 +49,8 @@ def build_app(args: dict) -> Application:
     Required args: ``draft_model``, ``target_model`` (directories, cached ids or .gguf paths;
     ``~`` and environment variables are expanded). Optional: ModelArgs fields (dtype, device,
     cache_capacity_bytes) and RouterOptions fields (max_speculative_tokens, draft_top_n,
-    call_timeout_s, unavailable_after_s, draft_pool, target_pool).
+    concurrent_prefill, dynamic_draft_length, call_timeout_s, unavailable_after_s, draft_pool,
+    target_pool).
 
     Raises:
         ValueError: a missing model or an unknown argument.

@@ -51,6 +51,8 @@ class RouterOptions:
         draft_top_n: the draft samples from its top-N tokens (0 = whole vocabulary).
         concurrent_prefill: as specdec.round_loop.LoopConfig (False when both models share a
             CPU's cores).
+        dynamic_draft_length: as specdec.round_loop.LoopConfig: adaptive rounds draft up to
+            k_max tokens and stop on the draft's confidence.
         call_timeout_s: seconds one propose or verify may take before it is retried elsewhere.
         unavailable_after_s: seconds of failed retries after which a request gets UNAVAILABLE.
         draft_pool, target_pool: the Ray custom resources of the two deployments (reported by
@@ -62,6 +64,7 @@ class RouterOptions:
     max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
     draft_top_n: int = 64
     concurrent_prefill: bool = True
+    dynamic_draft_length: bool = True
     call_timeout_s: float = 300.0
     unavailable_after_s: float = 30.0
     draft_pool: str = "draft_pool"
@@ -160,7 +163,8 @@ class SpeculativeRouter:
         self.costs = CostModel(self.options.max_speculative_tokens)
         self.config = LoopConfig(k_max=self.options.max_speculative_tokens,
                                  draft_top_n=self.options.draft_top_n,
-                                 concurrent_prefill=self.options.concurrent_prefill)
+                                 concurrent_prefill=self.options.concurrent_prefill,
+                                 dynamic_draft_length=self.options.dynamic_draft_length)
         self.metrics = RouterMetrics()
         self._info: tuple[dict, dict] | None = None
 

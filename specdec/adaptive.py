@@ -51,6 +51,11 @@ class CostModel:
             self._overhead[k > 0] = _ema(self._overhead.get(k > 0), max(overhead_s, 0.0))
 
     @property
+    def draft_seconds_per_token(self) -> float:
+        """Measured draft time per drafted token, seconds (0 before any round drafted)."""
+        return self._draft_per_token or 0.0
+
+    @property
     def measured(self) -> bool:
         return any(v is not None for v in self._verify)
 
@@ -92,24 +97,37 @@ class AcceptanceEstimator:
 
 @dataclasses.dataclass
 class KController:
-    """Picks k for each round of one request.
+    """Picks k, and the draft's confidence stop, for each round of one request.
 
     Args:
         costs: the shared CostModel.
         k_max: largest k allowed.
-        fixed_k: use this k every round (still capped by ``limit``); None = adaptive.
+        fixed_k: use this k every round (still capped by ``limit``), no confidence stop;
+            None = adaptive.
         initial_k: k of the first rounds, before any cost is measured.
+        dynamic_length: when speculation pays, draft up to k_max tokens and let the draft stop
+            on its confidence (see ``min_draft_confidence``) instead of a fixed k.
     """
 
     costs: CostModel
     k_max: int
     fixed_k: int | None = None
     initial_k: int = 4
+    dynamic_length: bool = False
     acceptance: AcceptanceEstimator = dataclasses.field(default_factory=AcceptanceEstimator)
+    min_draft_confidence: float = 0.0
     _plain_rounds: int = 0
 
     def choose(self, limit: int) -> int:
-        """k for the next round, at most ``limit`` (tokens left before a length stop, minus one)."""
+        """k for the next round, at most ``limit`` (tokens left before a length stop, minus one).
+
+        Also sets ``min_draft_confidence`` for that round: 0, or with ``dynamic_length`` the
+        marginal rule: drafting one more token costs t_draft seconds and commits one more token
+        with about the probability that the draft's block so far is accepted, the product of its
+        confidences; that pays while the product exceeds t_draft x the predicted tokens per
+        second of the best fixed k.
+        """
+        self.min_draft_confidence = 0.0
         cap = max(0, min(self.k_max, limit))
         if self.fixed_k is not None:
             return min(self.fixed_k, cap)
@@ -118,11 +136,17 @@ class KController:
         if self._plain_rounds >= PROBE_EVERY:
             return min(1, cap)
         rate = self.acceptance.rate
-        return max(range(cap + 1),
+        best = max(range(cap + 1),
                    key=lambda k: expected_tokens(rate, k) / self.costs.round_seconds(k))
+        if not self.dynamic_length or best == 0:
+            return best
+        tokens_per_s = expected_tokens(rate, best) / self.costs.round_seconds(best)
+        self.min_draft_confidence = min(self.costs.draft_seconds_per_token * tokens_per_s, 1.0)
+        return cap
 
     def observe(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
                 overhead_s: float) -> None:
+        """Records a round that drafted k tokens (after any confidence stop)."""
         self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
         self.acceptance.observe(k, num_accepted)
         self.costs.observe(k, draft_s, verify_s, overhead_s)

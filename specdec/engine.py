@@ -58,13 +58,16 @@ class SpeculativeEngine:
         fixed_shape_verify: run every target decode forward at width k_max + 1 so that greedy
             output cannot depend on k through rounding (TargetVerifier); None = on in half
             precision.
+        dynamic_draft_length: adaptive rounds draft up to k_max tokens and stop on the draft's
+            confidence (specdec.round_loop.LoopConfig).
     """
 
     def __init__(self, draft: LoadedModel, target: LoadedModel, *,
                  max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
                  cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
                  draft_top_n: int = DEFAULT_DRAFT_TOP_N,
-                 fixed_shape_verify: bool | None = None) -> None:
+                 fixed_shape_verify: bool | None = None,
+                 dynamic_draft_length: bool = True) -> None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
         self.draft, self.target = draft, target
         self.tokenizer = target.tokenizer
@@ -76,7 +79,8 @@ class SpeculativeEngine:
             context_limit=min(draft.context_limit, target.context_limit),
             max_speculative_tokens=max_speculative_tokens,
             eos_token_ids=target.eos_token_ids)
-        self.config = LoopConfig(k_max=max_speculative_tokens, draft_top_n=draft_top_n)
+        self.config = LoopConfig(k_max=max_speculative_tokens, draft_top_n=draft_top_n,
+                                 dynamic_draft_length=dynamic_draft_length)
         self.costs = CostModel(max_speculative_tokens)
 
     @classmethod

@@ -40,11 +40,14 @@ class LoopConfig:
     concurrent_prefill: prefill the draft while the target prefills (right when they run on
     separate devices). False leaves the draft's prefill to its first propose, after the first
     token: right when both share a CPU's cores, where running both at once slows the target's
-    prefill (the time to first token) as much as it saves."""
+    prefill (the time to first token) as much as it saves. dynamic_draft_length: adaptive
+    rounds (k "auto") draft up to k_max tokens and stop where the draft's confidence says one
+    more token no longer pays (specdec.adaptive.KController); a fixed k drafts exactly k."""
 
     k_max: int
     draft_top_n: int = 64
     concurrent_prefill: bool = True
+    dynamic_draft_length: bool = True
 
 
 @dataclasses.dataclass
@@ -85,7 +88,8 @@ class RoundLoop:
                                                    seed=request.seed)
         self._checker = StopChecker(tokenizer, request.max_new_tokens, request.stop_token_ids,
                                     params.stop)
-        self._controller = KController(costs, config.k_max, fixed_k=request.num_speculative_tokens)
+        self._controller = KController(costs, config.k_max, fixed_k=request.num_speculative_tokens,
+                                       dynamic_length=config.dynamic_draft_length)
         self._recorder = StatsRecorder(config.k_max)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
@@ -121,13 +125,16 @@ class RoundLoop:
         start = time.perf_counter()
         draft_s, drafts, q = 0.0, [], None
         if k > 0:
-            proposal = await self._propose(k)
+            proposal = await self._propose(k, self._controller.min_draft_confidence)
             draft_s, drafts = proposal.compute_s, list(proposal.token_ids)
             q = proposal.q if proposal.HasField("q") else None
         verified = await self._verify(drafts, q)
         overhead_s = time.perf_counter() - start - draft_s - verified.compute_s
-        self._controller.observe(k, verified.num_accepted, draft_s, verified.compute_s, overhead_s)
-        self._recorder.round(k, verified.num_accepted, draft_s, verified.compute_s, overhead_s)
+        drafted = len(drafts)
+        self._controller.observe(drafted, verified.num_accepted, draft_s, verified.compute_s,
+                                 overhead_s)
+        self._recorder.round(drafted, verified.num_accepted, draft_s, verified.compute_s,
+                             overhead_s)
         return self._commit(verified)
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
@@ -135,9 +142,10 @@ class RoundLoop:
         self._ids.extend(delta.token_ids)
         return delta
 
-    async def _propose(self, k: int) -> worker_pb2.ProposeResponse:
+    async def _propose(self, k: int, min_confidence: float = 0.0) -> worker_pb2.ProposeResponse:
         request = worker_pb2.ProposeRequest(num_speculative_tokens=k, sampling=self._sampling,
-                                            draft_top_n=self._config.draft_top_n)
+                                            draft_top_n=self._config.draft_top_n,
+                                            min_draft_confidence=min_confidence)
         return await self._call("draft", self._transport.propose, request)
 
     async def _verify(self, drafts: list[int],

@@ -19,3 +19,19 @@ def tiny_pair(tmp_path_factory):
 def engine(tiny_pair):
     draft, target = tiny_pair
     return SpeculativeEngine.from_pretrained(draft, target)
+
+
+@pytest.fixture
+def force_confidence_stop(monkeypatch):
+    """force(k, floor): every adaptive round then drafts up to k tokens and stops on the
+    draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
+    from specdec.adaptive import KController
+
+    def force(k: int, floor: float) -> None:
+        def choose(self, limit):
+            self.min_draft_confidence = floor
+            return max(0, min(k, limit))
+
+        monkeypatch.setattr(KController, "choose", choose)
+
+    return force

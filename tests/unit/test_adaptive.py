@@ -62,3 +62,22 @@ def test_acceptance_estimate_is_the_truncated_geometric_mle():
     for _ in range(500):
         estimator.observe(4, 2)  # two accepted, then a rejection: a = 2 / 3
     assert estimator.rate == pytest.approx(2 / 3, abs=0.01)
+
+
+def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor():
+    controller = _controller(0.8, lambda k: 0.3, draft_per_token=0.05)
+    best = controller.choose(limit=100)
+    assert 0 < best < 8 and controller.min_draft_confidence == 0.0
+    controller.dynamic_length = True
+    assert controller.choose(limit=100) == 8
+    rate = expected_tokens(controller.acceptance.rate, best) / controller.costs.round_seconds(best)
+    assert controller.min_draft_confidence == pytest.approx(0.05 * rate)
+    assert controller.choose(limit=3) == 3
+
+
+def test_dynamic_length_keeps_plain_decoding_and_fixed_k_without_a_floor():
+    plain = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
+    plain.dynamic_length = True
+    assert plain.choose(limit=100) == 0 and plain.min_draft_confidence == 0.0
+    fixed = KController(CostModel(8), 8, fixed_k=5, dynamic_length=True)
+    assert fixed.choose(limit=100) == 5 and fixed.min_draft_confidence == 0.0

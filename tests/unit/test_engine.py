@@ -259,3 +259,70 @@ def test_draft_prefilled_by_its_first_propose_gives_the_same_output(engine):
             assert sequential.token_ids == _target_only(engine, prompt).token_ids
     finally:
         engine.config = concurrent
+
+
+def _propose(proposer, prompt_ids, session_id, k, floor, temperature=0.0):
+    from specdec.v1 import worker_pb2
+    request = worker_pb2.ProposeRequest(
+        session=worker_pb2.SessionTokens(session_id=session_id, new_token_ids=prompt_ids),
+        num_speculative_tokens=k, min_draft_confidence=floor, draft_top_n=16,
+        sampling=worker_pb2.SamplingConfig(temperature=temperature, top_p=1.0, seed=3))
+    response = proposer.propose(request)
+    proposer.release(worker_pb2.ReleaseRequest(session_id=session_id))
+    return response
+
+
+@torch.inference_mode()
+def test_greedy_draft_stops_after_the_token_where_its_confidence_falls_below_the_floor(engine):
+    proposer, vocab = engine.transport.proposer, engine.limits.vocab_size
+    prompt_ids = engine.tokenizer.encode(PROMPTS[1])
+    # The draft's greedy continuation and the running product of its probabilities, computed
+    # here without a KV cache.
+    sequence, products = list(prompt_ids), [1.0]
+    for _ in range(8):
+        logits = engine.draft.model(torch.tensor([sequence])).logits[0, -1, :vocab]
+        probs = torch.softmax(logits.float(), dim=0)
+        sequence.append(int(probs.argmax()))
+        products.append(products[-1] * float(probs.max()))
+    continuation = sequence[len(prompt_ids):]
+    assert list(_propose(proposer, prompt_ids, "all", 8, 0.0).token_ids) == continuation
+    for stop in (1, 3, 6):
+        # Above the product after stop tokens, at or below the one before it.
+        floor = (products[stop - 1] + products[stop]) / 2
+        drafted = _propose(proposer, prompt_ids, f"stop{stop}", 8, floor).token_ids
+        assert list(drafted) == continuation[:stop], (stop, products)
+
+
+def test_sampled_draft_stop_follows_the_probabilities_it_sends(engine):
+    proposer = engine.transport.proposer
+    prompt_ids = engine.tokenizer.encode(PROMPTS[2])
+    lengths = set()
+    for floor in (0.05, 0.2, 0.5):
+        response = _propose(proposer, prompt_ids, f"s{floor}", 8, floor, temperature=1.0)
+        tokens = list(response.token_ids)
+        q_ids = torch.tensor(response.q.token_ids).view(len(tokens), response.q.width)
+        q_probs = torch.tensor(response.q.probs).view(len(tokens), response.q.width)
+        chosen = [float(q_probs[i][q_ids[i] == t][0]) for i, t in enumerate(tokens)]
+        running = torch.tensor(chosen, dtype=torch.float64).cumprod(0)
+        assert (running[:-1] >= floor).all()
+        assert len(tokens) == 8 or running[-1] < floor
+        lengths.add(len(tokens))
+    assert len(lengths) > 1  # the floors really changed how far the draft went
+
+
+FLOOR = 1e-5
+
+
+def test_greedy_output_with_the_confidence_stop_equals_target_only(engine, force_confidence_stop):
+    expected = [_target_only(engine, prompt).token_ids for prompt in PROMPTS]
+    # Tiny random models are unsure (top probability ~0.03), so products fall fast.
+    force_confidence_stop(k=4, floor=FLOOR)
+    k = 4
+    drafted = []
+    for prompt, reference in zip(PROMPTS, expected):
+        out = engine.generate(prompt, GREEDY)
+        assert out.token_ids == reference, prompt
+        drafted.append(out.stats.drafted_per_position)
+    # Some rounds stopped early and some drafted all k: both paths ran.
+    first, last = sum(d[0] for d in drafted), sum(d[k - 1] for d in drafted)
+    assert 0 < last < first

@@ -36,14 +36,19 @@ def far_engine(tmp_path_factory):
     return SpeculativeEngine.from_pretrained(draft, target)
 
 
-def _sampled(engine, k, params, seeds):
-    """[2, VOCAB + 1] counts of the tokens at completion positions 2 and 3."""
+def _sampled(engine, k, params, seeds, with_drafted=False):
+    """[2, VOCAB + 1] counts of the tokens at completion positions 2 and 3 (and, with
+    ``with_drafted``, how often each draft position was drafted)."""
     counts = np.zeros((2, VOCAB + 1))
+    drafted = np.zeros(2)
     for seed in seeds:
-        tokens = engine.generate(PROMPT, SamplingParams(max_new_tokens=3, seed=seed, **params), k).token_ids
+        # max_new_tokens 4: the first round may then draft 2 (k is capped by the tokens left).
+        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=seed, **params), k)
+        tokens = out.token_ids
         for row in range(2):
             counts[row, tokens[row + 1] if len(tokens) > row + 1 else END] += 1
-    return counts
+        drafted += out.stats.drafted_per_position[:2]
+    return (counts, drafted) if with_drafted else counts
 
 
 @torch.inference_mode()
@@ -95,6 +100,21 @@ def test_speculative_sampling_matches_target_only_sampling(far_engine, params, k
         for position in range(2):
             pvalue = _fit_pvalue(sampled[position], exact[position])
             assert pvalue > 1e-3, (k, position, pvalue)
+
+
+@pytest.mark.slow
+def test_sampling_with_the_draft_confidence_stop_matches_target_only(far_engine,
+                                                                     force_confidence_stop):
+    """Rounds draft up to 2 tokens and stop after the first when q(x1) < 0.05: the draft's
+    block length then depends on its own draws, which must leave the output exact."""
+    params = {"temperature": 1.0}
+    exact = _exact(far_engine, params)
+    force_confidence_stop(k=2, floor=0.05)
+    sampled, drafted = _sampled(far_engine, "auto", params, range(N), with_drafted=True)
+    assert 0.2 < drafted[1] / drafted[0] < 0.8  # both block lengths were common
+    for position in range(2):
+        pvalue = _fit_pvalue(sampled[position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
 
 
 @pytest.mark.slow
