@@ -62,11 +62,17 @@ def deploy(path: str | Path, address: str | None = None, overrides: dict[str, An
 
     Raises:
         RuntimeError: an application failed to deploy (with Serve's message) or was not RUNNING
-            within timeout_s seconds.
+            within timeout_s seconds; or this process is already connected to another cluster.
     """
     config = load_config(path, overrides)
     if not ray.is_initialized():
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    elif address not in (None, "auto") and address != ray.get_runtime_context().gcs_address:
+        # Deploying through the open connection would deploy to the wrong cluster, and then
+        # wait for replicas that cluster may never place.
+        raise RuntimeError(f"this process is connected to the Ray cluster at "
+                           f"{ray.get_runtime_context().gcs_address}, not {address}: call "
+                           f"ray.shutdown() first")
     client = serve_api.serve_start(
         http_options=config.http_options.model_dump(),
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),

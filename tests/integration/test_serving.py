@@ -8,11 +8,14 @@ import time
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.client import build_request
 from specdec.tiny_models import PROMPTS
+
+from local_service import LOCAL_CONFIG
 
 pytestmark = pytest.mark.integration
 APP = "specdec"
@@ -131,6 +134,7 @@ def test_replicas_run_only_on_their_pool_nodes(client):
         assert not {"draft_pool", "target_pool"} & set(pools[replica.node_id])
 
 
+K_MAX = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]["max_speculative_tokens"]
 BAD_REQUESTS = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x " * 300}, "prompt"),                      # past the 256-token context limit
@@ -142,7 +146,7 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 0.0}, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "top_k": -1}, "top_k"),
-    ({"prompt": "hi", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+    ({"prompt": "hi", "num_speculative_tokens": K_MAX + 1}, "num_speculative_tokens"),
     ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
 ]
