@@ -6,6 +6,7 @@ This is what ``serve run CONFIG`` does, without blocking and without the dashboa
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def deploy(path: str | Path, address: str | None = None, overrides: dict[str, An
     config = load_config(path, overrides)
     if not ray.is_initialized():
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    elif address not in (None, "auto") and address != ray.get_runtime_context().gcs_address:
+    elif not _same_cluster(address, ray.get_runtime_context().gcs_address):
         # Deploying through the open connection would deploy to the wrong cluster, and then
         # wait for replicas that cluster may never place.
         raise RuntimeError(f"this process is connected to the Ray cluster at "
@@ -79,6 +80,21 @@ def deploy(path: str | Path, address: str | None = None, overrides: dict[str, An
         proxy_location=config.proxy_location)
     client.deploy_apps(config, _blocking=False)
     wait_running([app.name for app in config.applications], timeout_s)
+
+
+def _same_cluster(address: str | None, connected: str) -> bool:
+    """Whether ``address`` (as given to ray.init) names the GCS at ``connected`` ("ip:port").
+    None, "auto" and Ray Client addresses cannot be compared and count as the same."""
+    if address in (None, "auto") or address.startswith("ray://"):
+        return True
+    host, _, port = address.rpartition(":")
+    connected_host, _, connected_port = connected.rpartition(":")
+    if port != connected_port:
+        return False
+    try:
+        return socket.gethostbyname(host) == socket.gethostbyname(connected_host)
+    except OSError:
+        return host == connected_host
 
 
 def wait_running(names: list[str], timeout_s: float) -> None:

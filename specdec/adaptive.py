@@ -6,6 +6,10 @@ time for k tokens, one target verify over k + 1 positions, and the round's orche
 controller picks the k in [0, k_max] with the highest E(k) / cost(k); k = 0 is plain target
 decoding (E = 1, no draft call). Verify cost is measured for each k separately, because it is not
 flat in k on every machine (DESIGN.md, "Speed").
+
+With a dynamic draft length, that best fixed k only decides whether speculation pays; the round
+then drafts up to k_max tokens and the draft stops on its own confidence, at a floor set by the
+marginal cost of one more token (KController.choose).
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ class CostModel:
     @property
     def measured(self) -> bool:
         return any(v is not None for v in self._verify)
+
+    def verify_seconds(self, k: int) -> float:
+        """Predicted seconds of a verify over k draft tokens (interpolated as round_seconds)."""
+        with self._lock:
+            return _interpolate(self._verify, k)
 
     def round_seconds(self, k: int) -> float:
         """Predicted seconds of a round drafting k tokens (needs at least one observation).
@@ -122,16 +131,19 @@ class KController:
         """k for the next round, at most ``limit`` (tokens left before a length stop, minus one).
 
         Also sets ``min_draft_confidence`` for that round: 0, or with ``dynamic_length`` the
-        marginal rule: drafting one more token costs t_draft seconds and commits one more token
-        with about the probability that the draft's block so far is accepted, the product of its
-        confidences; that pays while the product exceeds t_draft x the predicted tokens per
-        second of the best fixed k.
+        marginal rule. Drafting one more token costs its draft step plus what it adds to the
+        verify, and commits one more token with about the probability that the draft's block so
+        far is accepted, the product of its confidences (an upper estimate: the new token must be
+        accepted too); that pays while the product exceeds that marginal cost x the predicted
+        tokens per second of the best fixed k. With a fixed-width verify (half precision) the
+        verify adds nothing; where it grows with k (float32 on a CPU) it raises the floor.
         """
         self.min_draft_confidence = 0.0
         cap = max(0, min(self.k_max, limit))
         if self.fixed_k is not None:
             return min(self.fixed_k, cap)
-        if not self.costs.measured:
+        draft_s = self.costs.draft_seconds_per_token
+        if not self.costs.measured or draft_s == 0.0:  # no round (or no draft step) measured yet
             return min(self.initial_k, cap)
         if self._plain_rounds >= PROBE_EVERY:
             return min(1, cap)
@@ -141,7 +153,11 @@ class KController:
         if not self.dynamic_length or best == 0:
             return best
         tokens_per_s = expected_tokens(rate, best) / self.costs.round_seconds(best)
-        self.min_draft_confidence = min(self.costs.draft_seconds_per_token * tokens_per_s, 1.0)
+        verify_s = 0.0
+        if cap > best:
+            added = self.costs.verify_seconds(cap) - self.costs.verify_seconds(best)
+            verify_s = max(added, 0.0) / (cap - best)
+        self.min_draft_confidence = min((draft_s + verify_s) * tokens_per_s, 1.0)
         return cap
 
     def observe(self, k: int, num_accepted: int, draft_s: float, verify_s: float,

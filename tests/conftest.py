@@ -23,12 +23,16 @@ def engine(tiny_pair):
 
 @pytest.fixture
 def force_confidence_stop(monkeypatch):
-    """force(k, floor): every adaptive round then drafts up to k tokens and stops on the
-    draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
+    """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on
+    the draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
     from specdec.adaptive import KController
+
+    adaptive_choose = KController.choose
 
     def force(k: int, floor: float) -> None:
         def choose(self, limit):
+            if self.fixed_k is not None:  # target-only and fixed-k requests stay as they are
+                return adaptive_choose(self, limit)
             self.min_draft_confidence = floor
             return max(0, min(k, limit))
 

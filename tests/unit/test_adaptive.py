@@ -64,15 +64,45 @@ def test_acceptance_estimate_is_the_truncated_geometric_mle():
     assert estimator.rate == pytest.approx(2 / 3, abs=0.01)
 
 
-def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor():
-    controller = _controller(0.8, lambda k: 0.3, draft_per_token=0.05)
-    best = controller.choose(limit=100)
-    assert 0 < best < 8 and controller.min_draft_confidence == 0.0
-    controller.dynamic_length = True
+class _FixedRate:
+    rate = 0.8
+
+    def observe(self, k, num_accepted):
+        pass
+
+
+def _dynamic(verify_s):
+    """Acceptance 0.8, a draft step 50 ms, 1 ms orchestration, the given verify cost per k."""
+    costs = CostModel(8)
+    for k in range(9):
+        costs.observe(k, 0.05 * k, verify_s(k), 0.001)
+    return KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
+
+
+@pytest.mark.parametrize("verify_s, floor", [
+    # Flat verify: round cost 0.301 + 0.05 k; the best fixed k is 4 (E = 3.3616 tokens in
+    # 0.501 s, 6.7098 tokens/s), so one more draft step pays while P > 0.05 x 6.7098.
+    (lambda k: 0.3, 0.05 * 3.3616 / 0.501),
+    # Verify growing 20 ms per token: round cost 0.301 + 0.07 k, best k 4 again (3.3616 tokens
+    # in 0.581 s); each further token also adds 20 ms of verify.
+    (lambda k: 0.3 + 0.02 * k, 0.07 * 3.3616 / 0.581),
+], ids=["flat-verify", "growing-verify"])
+def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor(verify_s, floor):
+    controller = _dynamic(verify_s)
     assert controller.choose(limit=100) == 8
-    rate = expected_tokens(controller.acceptance.rate, best) / controller.costs.round_seconds(best)
-    assert controller.min_draft_confidence == pytest.approx(0.05 * rate)
+    assert controller.min_draft_confidence == pytest.approx(floor, rel=1e-3)
+    controller.dynamic_length = False
+    assert controller.choose(limit=100) == 4 and controller.min_draft_confidence == 0.0
+    controller.dynamic_length = True
     assert controller.choose(limit=3) == 3
+
+
+def test_dynamic_length_waits_for_a_measured_draft_step():
+    costs = CostModel(8)
+    costs.observe(0, 0.0, 0.3, 0.001)  # target-only rounds only: no draft cost known yet
+    controller = KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
+    assert controller.choose(limit=100) == controller.initial_k
+    assert controller.min_draft_confidence == 0.0
 
 
 def test_dynamic_length_keeps_plain_decoding_and_fixed_k_without_a_floor():
