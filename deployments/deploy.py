@@ -68,12 +68,11 @@ def deploy(path: str | Path, address: str | None = None, overrides: dict[str, An
     config = load_config(path, overrides)
     if not ray.is_initialized():
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    elif not _same_cluster(address, ray.get_runtime_context().gcs_address):
+    elif not _same_cluster(address, connected := ray.get_runtime_context().gcs_address):
         # Deploying through the open connection would deploy to the wrong cluster, and then
         # wait for replicas that cluster may never place.
-        raise RuntimeError(f"this process is connected to the Ray cluster at "
-                           f"{ray.get_runtime_context().gcs_address}, not {address}: call "
-                           f"ray.shutdown() first")
+        raise RuntimeError(f"this process is connected to the Ray cluster at {connected}, "
+                           f"not {address}: call ray.shutdown() first")
     client = serve_api.serve_start(
         http_options=config.http_options.model_dump(),
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import NamedTuple
 
 EMA_WEIGHT = 0.2           # weight of a new cost sample
 ACCEPTANCE_DECAY = 0.9     # per-round forgetting of the acceptance counts
@@ -104,6 +105,14 @@ class AcceptanceEstimator:
         return self._accepted / (self._accepted + self._rejected)
 
 
+class RoundPlan(NamedTuple):
+    """What one round drafts: at most k tokens, stopping early once the product of the draft's
+    probabilities of its tokens falls below min_draft_confidence (0 = never)."""
+
+    k: int
+    min_draft_confidence: float = 0.0
+
+
 @dataclasses.dataclass
 class KController:
     """Picks k, and the draft's confidence stop, for each round of one request.
@@ -115,7 +124,7 @@ class KController:
             None = adaptive.
         initial_k: k of the first rounds, before any cost is measured.
         dynamic_length: when speculation pays, draft up to k_max tokens and let the draft stop
-            on its confidence (see ``min_draft_confidence``) instead of a fixed k.
+            on its confidence (RoundPlan.min_draft_confidence) instead of a fixed k.
     """
 
     costs: CostModel
@@ -124,41 +133,41 @@ class KController:
     initial_k: int = 4
     dynamic_length: bool = False
     acceptance: AcceptanceEstimator = dataclasses.field(default_factory=AcceptanceEstimator)
-    min_draft_confidence: float = 0.0
     _plain_rounds: int = 0
 
-    def choose(self, limit: int) -> int:
-        """k for the next round, at most ``limit`` (tokens left before a length stop, minus one).
+    def choose(self, limit: int) -> RoundPlan:
+        """The next round's plan, k at most ``limit`` (tokens left before a length stop, minus
+        one).
 
-        Also sets ``min_draft_confidence`` for that round: 0, or with ``dynamic_length`` the
-        marginal rule. Drafting one more token costs its draft step plus what it adds to the
-        verify, and commits one more token with about the probability that the draft's block so
-        far is accepted, the product of its confidences (an upper estimate: the new token must be
-        accepted too); that pays while the product exceeds that marginal cost x the predicted
-        tokens per second of the best fixed k. With a fixed-width verify (half precision) the
-        verify adds nothing; where it grows with k (float32 on a CPU) it raises the floor.
+        Its ``min_draft_confidence`` is 0, or with ``dynamic_length`` the marginal rule. Drafting
+        one more token costs its draft step plus what it adds to the verify, and commits one more
+        token with about the probability that the draft's block so far is accepted, the product
+        of its confidences (an upper estimate: the new token must be accepted too); that pays
+        while the product exceeds that marginal cost x the predicted tokens per second of the
+        best fixed k. With a fixed-width verify (half precision) the verify adds nothing; where
+        it grows with k (float32 on a CPU) it raises the floor.
         """
-        self.min_draft_confidence = 0.0
         cap = max(0, min(self.k_max, limit))
         if self.fixed_k is not None:
-            return min(self.fixed_k, cap)
+            return RoundPlan(min(self.fixed_k, cap))
         draft_s = self.costs.draft_seconds_per_token
         if not self.costs.measured or draft_s == 0.0:  # no round (or no draft step) measured yet
-            return min(self.initial_k, cap)
+            return RoundPlan(min(self.initial_k, cap))
         if self._plain_rounds >= PROBE_EVERY:
-            return min(1, cap)
+            return RoundPlan(min(1, cap))
         rate = self.acceptance.rate
-        best = max(range(cap + 1),
-                   key=lambda k: expected_tokens(rate, k) / self.costs.round_seconds(k))
+
+        def tokens_per_s(k: int) -> float:
+            return expected_tokens(rate, k) / self.costs.round_seconds(k)
+
+        best = max(range(cap + 1), key=tokens_per_s)
         if not self.dynamic_length or best == 0:
-            return best
-        tokens_per_s = expected_tokens(rate, best) / self.costs.round_seconds(best)
+            return RoundPlan(best)
         verify_s = 0.0
         if cap > best:
             added = self.costs.verify_seconds(cap) - self.costs.verify_seconds(best)
             verify_s = max(added, 0.0) / (cap - best)
-        self.min_draft_confidence = min((draft_s + verify_s) * tokens_per_s, 1.0)
-        return cap
+        return RoundPlan(cap, min((draft_s + verify_s) * tokens_per_s(best), 1.0))
 
     def observe(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
                 overhead_s: float) -> None:

@@ -121,11 +121,11 @@ class RoundLoop:
         return self._commit(verified)
 
     async def _round(self) -> Delta:
-        k = self._controller.choose(self._checker.remaining - 1)
+        plan = self._controller.choose(self._checker.remaining - 1)
         start = time.perf_counter()
         draft_s, drafts, q = 0.0, [], None
-        if k > 0:
-            proposal = await self._propose(k, self._controller.min_draft_confidence)
+        if plan.k > 0:
+            proposal = await self._propose(plan.k, plan.min_draft_confidence)
             draft_s, drafts = proposal.compute_s, list(proposal.token_ids)
             q = proposal.q if proposal.HasField("q") else None
         verified = await self._verify(drafts, q)

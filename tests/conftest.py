@@ -25,7 +25,7 @@ def engine(tiny_pair):
 def force_confidence_stop(monkeypatch):
     """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on
     the draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
-    from specdec.adaptive import KController
+    from specdec.adaptive import KController, RoundPlan
 
     adaptive_choose = KController.choose
 
@@ -33,8 +33,7 @@ def force_confidence_stop(monkeypatch):
         def choose(self, limit):
             if self.fixed_k is not None:  # target-only and fixed-k requests stay as they are
                 return adaptive_choose(self, limit)
-            self.min_draft_confidence = floor
-            return max(0, min(k, limit))
+            return RoundPlan(max(0, min(k, limit)), floor)
 
         monkeypatch.setattr(KController, "choose", choose)
 

@@ -26,35 +26,35 @@ def _controller(acceptance, verify_s, draft_per_token, k_max=8):
 
 def test_flat_verify_and_high_acceptance_choose_large_k():
     controller = _controller(1.0, lambda k: 0.1, draft_per_token=0.005)
-    assert controller.choose(limit=100) == 8
+    assert controller.choose(limit=100).k == 8
 
 
 def test_expensive_draft_and_low_acceptance_choose_plain_decoding():
     controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
-    assert controller.choose(limit=100) == 0
+    assert controller.choose(limit=100).k == 0
 
 
 def test_measured_verify_cost_per_k_drives_the_choice():
     # DESIGN.md's CPU numbers: verifying 2 tokens costs less than 1; 4 costs twice as much.
     table = {0: 0.243, 1: 0.243, 2: 0.214, 3: 0.34, 4: 0.465, 5: 0.464, 6: 0.463, 7: 0.52, 8: 0.583}
     controller = _controller(0.5, table.__getitem__, draft_per_token=0.02)
-    assert controller.choose(limit=100) == 2
+    assert controller.choose(limit=100).k == 2
 
 
 def test_limit_caps_k_and_fixed_k_is_respected():
     controller = _controller(1.0, lambda k: 0.1, draft_per_token=0.001)
-    assert controller.choose(limit=3) == 3
-    assert controller.choose(limit=0) == 0
+    assert controller.choose(limit=3).k == 3
+    assert controller.choose(limit=0).k == 0
     fixed = KController(CostModel(8), 8, fixed_k=5)
-    assert fixed.choose(limit=100) == 5 and fixed.choose(limit=2) == 2
+    assert fixed.choose(limit=100).k == 5 and fixed.choose(limit=2).k == 2
 
 
 def test_plain_decoding_probes_speculation_again():
     controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
     for _ in range(PROBE_EVERY):
-        assert controller.choose(limit=100) == 0
+        assert controller.choose(limit=100).k == 0
         controller.observe(0, 0, 0.0, 0.1, 0.001)
-    assert controller.choose(limit=100) == 1
+    assert controller.choose(limit=100).k == 1
 
 
 def test_acceptance_estimate_is_the_truncated_geometric_mle():
@@ -89,25 +89,23 @@ def _dynamic(verify_s):
 ], ids=["flat-verify", "growing-verify"])
 def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor(verify_s, floor):
     controller = _dynamic(verify_s)
-    assert controller.choose(limit=100) == 8
-    assert controller.min_draft_confidence == pytest.approx(floor, rel=1e-3)
+    assert controller.choose(limit=100) == (8, pytest.approx(floor, rel=1e-3))
     controller.dynamic_length = False
-    assert controller.choose(limit=100) == 4 and controller.min_draft_confidence == 0.0
+    assert controller.choose(limit=100) == (4, 0.0)
     controller.dynamic_length = True
-    assert controller.choose(limit=3) == 3
+    assert controller.choose(limit=3).k == 3
 
 
 def test_dynamic_length_waits_for_a_measured_draft_step():
     costs = CostModel(8)
     costs.observe(0, 0.0, 0.3, 0.001)  # target-only rounds only: no draft cost known yet
     controller = KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
-    assert controller.choose(limit=100) == controller.initial_k
-    assert controller.min_draft_confidence == 0.0
+    assert controller.choose(limit=100) == (controller.initial_k, 0.0)
 
 
 def test_dynamic_length_keeps_plain_decoding_and_fixed_k_without_a_floor():
     plain = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
     plain.dynamic_length = True
-    assert plain.choose(limit=100) == 0 and plain.min_draft_confidence == 0.0
+    assert plain.choose(limit=100) == (0, 0.0)
     fixed = KController(CostModel(8), 8, fixed_k=5, dynamic_length=True)
-    assert fixed.choose(limit=100) == 5 and fixed.min_draft_confidence == 0.0
+    assert fixed.choose(limit=100) == (5, 0.0)
