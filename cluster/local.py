@@ -28,9 +28,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 STATE_FILE = "cluster.json"
 STATE_DIR_ENV = "SPECDEC_CLUSTER_DIR"
@@ -75,7 +76,7 @@ class ClusterInfo:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "ClusterInfo":
+    def from_json(cls, text: str) -> ClusterInfo:
         raw = json.loads(text)
         raw["nodes"] = tuple(NodeProcess(**n) for n in raw.get("nodes", ()))
         return cls(**raw)
@@ -273,14 +274,19 @@ def _start_node(
 
 def _fail(info: ClusterInfo, message: str) -> RuntimeError:
     logs = ", ".join(n.log_path for n in info.nodes)
-    return RuntimeError(f"{message}; logs: {logs}; Ray logs under {info.temp_root}/<role>/session_latest/logs")
+    return RuntimeError(
+        f"{message}; logs: {logs}; Ray logs under {info.temp_root}/<role>/session_latest/logs"
+    )
 
 
 def _wait_port(info: ClusterInfo, deadline: float) -> None:
     while time.monotonic() < deadline:
         if not _alive(info.node("head").pid):
             raise _fail(info, "the head node exited during startup")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", info.gcs_port), 0.5):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", info.gcs_port), 0.5),
+        ):
             return
         time.sleep(0.2)
     raise _fail(info, f"GCS did not listen on port {info.gcs_port} in time")
@@ -293,13 +299,14 @@ def _gcs_nodes(address: str) -> list[dict[str, Any]]:
     ``--include-dashboard=false`` turns off, so we read the GCS directly, as Ray's own
     ``ray.cluster_utils`` does.
     """
-    import ray  # first: importing ray._private.state on its own is a circular import
     from ray._private.state import GlobalState
     from ray._raylet import GcsClientOptions
 
     state = GlobalState()
     state._initialize_global_state(
-        GcsClientOptions.create(address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False)
+        GcsClientOptions.create(
+            address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False
+        )
     )
     try:
         return state.node_table()
@@ -309,7 +316,6 @@ def _gcs_nodes(address: str) -> list[dict[str, Any]]:
 
 def _node_problems(info: ClusterInfo) -> list[str]:
     """What is still missing before the cluster is ready (empty list: ready)."""
-    import ray  # outside the try: an import error is a bug, not a "not ready yet"
 
     try:
         nodes = _gcs_nodes(info.address)
@@ -403,8 +409,12 @@ def up(
     try:
         for (role, cpus, res), agent_port in zip(specs, agents):
             node = _start_node(
-                info, role, num_cpus=cpus, resources=res,
-                object_store_bytes=object_store_bytes, agent_port=agent_port,
+                info,
+                role,
+                num_cpus=cpus,
+                resources=res,
+                object_store_bytes=object_store_bytes,
+                agent_port=agent_port,
             )
             info = replace(info, nodes=info.nodes + (node,))
             _save(info)  # record every pid as soon as it exists, so down() can always clean up
@@ -416,9 +426,17 @@ def up(
         raise
     # Ray advertises the machine's routable IP even for a 127.0.0.1 bootstrap address (it
     # rewrites loopback), so record the address exactly as the cluster itself reports it.
-    head_ip = next(n["NodeManagerAddress"] for n in _gcs_nodes(info.address) if n.get("Alive") and _role(n) == "head")
-    info = replace(info, address=f"{head_ip}:{info.gcs_port}", startup_s=round(time.monotonic() - t0, 2),
-                   rss_bytes=_rss_bytes(cluster_pids(info)))
+    head_ip = next(
+        n["NodeManagerAddress"]
+        for n in _gcs_nodes(info.address)
+        if n.get("Alive") and _role(n) == "head"
+    )
+    info = replace(
+        info,
+        address=f"{head_ip}:{info.gcs_port}",
+        startup_s=round(time.monotonic() - t0, 2),
+        rss_bytes=_rss_bytes(cluster_pids(info)),
+    )
     _save(info)
     return info
 
@@ -428,7 +446,9 @@ def _clear_stale(sd: Path) -> None:
     if info is None:
         return
     if any(_owned(n) for n in info.nodes):
-        raise RuntimeError(f"a local cluster is already running at {info.address} (state in {sd}); call down() first")
+        raise RuntimeError(
+            f"a local cluster is already running at {info.address} (state in {sd}); call down() first"
+        )
     down(sd)  # a crashed cluster: sweep whatever it left and drop the state file
 
 
@@ -448,7 +468,9 @@ def _reap(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def _stop_nodes(info: ClusterInfo, nodes: list[NodeProcess], seen: set[int], grace_s: float) -> None:
+def _stop_nodes(
+    info: ClusterInfo, nodes: list[NodeProcess], seen: set[int], grace_s: float
+) -> None:
     """SIGTERM the roots of ``nodes``, wait for their own cleanup, then SIGTERM what is left.
 
     Leftovers are orphans: e.g. a node's dashboard/runtime-env agents survive for minutes
@@ -471,7 +493,9 @@ def _stop_nodes(info: ClusterInfo, nodes: list[NodeProcess], seen: set[int], gra
         time.sleep(0.1)
 
 
-def down(state_dir: Path | str | None = None, *, grace_s: float = 10.0, keep_logs: bool = True) -> list[int]:
+def down(
+    state_dir: Path | str | None = None, *, grace_s: float = 10.0, keep_logs: bool = True
+) -> list[int]:
     """Stop every process of the local cluster and remove its state file.
 
     SIGTERM goes to each node's ``ray start --block`` root, which stops its raylet (taking
@@ -539,7 +563,9 @@ def _driver(addr: str) -> Iterator[None]:
     if ray.is_initialized():  # reuse the caller's connection; it is theirs to shut down
         connected = ray.get_runtime_context().gcs_address
         if connected != addr:
-            raise RuntimeError(f"this process is connected to Ray at {connected}, not the local cluster at {addr}")
+            raise RuntimeError(
+                f"this process is connected to Ray at {connected}, not the local cluster at {addr}"
+            )
         yield
         return
     ray.init(address=addr, logging_level="ERROR", log_to_driver=False, configure_logging=False)
@@ -580,7 +606,9 @@ def status(state_dir: Path | str | None = None) -> dict[str, Any]:
         nodes = ray.nodes()  # one GCS per up(): every node listed is one of ours
         roles = {n["NodeID"]: _role(n) for n in nodes if n.get("Alive")}
         order = {n.role: i for i, n in enumerate(info.nodes)}
-        result["nodes"] = sorted((_node_summary(n, info) for n in nodes), key=lambda n: order.get(n["role"], 99))
+        result["nodes"] = sorted(
+            (_node_summary(n, info) for n in nodes), key=lambda n: order.get(n["role"], 99)
+        )
         result["applications"], result["system_actors"] = _serve_summary(roles)
     result["running"] = True
     return result
@@ -595,8 +623,14 @@ def _node_summary(node: Mapping[str, Any], info: ClusterInfo) -> dict[str, Any]:
     # The GCS notices a dead node only after its health checks time out; the root process
     # tells at once.
     alive = bool(node["Alive"]) and proc is not None and _owned(proc)
-    return {"role": role, "node_id": node["NodeID"], "alive": alive, "pid": proc and proc.pid,
-            "resources": shown, "pool": pool}
+    return {
+        "role": role,
+        "node_id": node["NodeID"],
+        "alive": alive,
+        "pid": proc and proc.pid,
+        "resources": shown,
+        "pool": pool,
+    }
 
 
 def _serve_details() -> dict[str, Any] | None:
@@ -619,9 +653,16 @@ def _serve_summary(roles: Mapping[str, str]) -> tuple[dict, list]:
     details = _serve_details()
     if details is None:  # Serve not started: do not start it just to look
         return {}, []
-    system = [{"class": "ServeController", "role": roles.get(details["controller_info"].get("node_id"), "?")}]
-    system += [{"class": "ProxyActor", "role": roles.get(p.get("node_id"), "?")}
-               for p in details.get("proxies", {}).values()]
+    system = [
+        {
+            "class": "ServeController",
+            "role": roles.get(details["controller_info"].get("node_id"), "?"),
+        }
+    ]
+    system += [
+        {"class": "ProxyActor", "role": roles.get(p.get("node_id"), "?")}
+        for p in details.get("proxies", {}).values()
+    ]
     apps: dict[str, Any] = {}
     for name, app in details.get("applications", {}).items():
         apps[name] = {"status": _text(app["status"]), "deployments": {}}
@@ -633,8 +674,10 @@ def _serve_summary(roles: Mapping[str, str]) -> tuple[dict, list]:
                 role = roles.get(r.get("node_id"), "?")
                 where[role] = where.get(role, 0) + 1
             apps[name]["deployments"][dname] = {
-                "status": _text(d["status"]), "target_replicas": d.get("target_num_replicas"),
-                "replica_states": states, "replicas_by_node": where,
+                "status": _text(d["status"]),
+                "target_replicas": d.get("target_num_replicas"),
+                "replica_states": states,
+                "replicas_by_node": where,
             }
     return apps, system
 
@@ -643,12 +686,17 @@ def format_status(st: Mapping[str, Any]) -> str:
     """Human-readable text for a ``status()`` dict."""
     if not st.get("running"):
         return f"local cluster: not running (state dir {st.get('state_dir')})"
-    lines = [f"local cluster {st['address']}  ({st['processes']} processes, "
-             f"RSS {st['rss_bytes'] / 2**30:.2f} GiB, state {st['state_dir']})", "nodes:"]
+    lines = [
+        f"local cluster {st['address']}  ({st['processes']} processes, "
+        f"RSS {st['rss_bytes'] / 2**30:.2f} GiB, state {st['state_dir']})",
+        "nodes:",
+    ]
     for n in st["nodes"]:
         res = ", ".join(f"{k} {v:g}" for k, v in sorted(n["resources"].items()))
-        lines.append(f"  {n['role']:<7} {'alive' if n['alive'] else 'DEAD':<6}"
-                     f" {n['node_id'][:12]}  pid {n['pid']}  {res}")
+        lines.append(
+            f"  {n['role']:<7} {'alive' if n['alive'] else 'DEAD':<6}"
+            f" {n['node_id'][:12]}  pid {n['pid']}  {res}"
+        )
     system = ", ".join(f"{a['class']}@{a['role']}" for a in st.get("system_actors", []))
     lines.append(f"serve: {system or 'not started'}")
     for app, a in st.get("applications", {}).items():

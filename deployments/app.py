@@ -11,11 +11,11 @@ import os
 
 from ray.serve import Application
 
-from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
-from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES
 from specdec.deployments.draft import DraftModel
 from specdec.deployments.router import RouterOptions, SpeculativeRouter
 from specdec.deployments.target import TargetModel
+from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
+from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +35,18 @@ class ModelArgs:
     def for_side(self, side: str, max_speculative_tokens: int) -> dict:
         """Constructor arguments of the "draft" or "target" replica."""
         if side == "draft":
-            return {"dtype": self.draft_dtype or self.dtype, "device": self.device,
-                    "cache_capacity_bytes": self.cache_capacity_bytes}
-        return {"dtype": self.dtype, "device": self.device,
+            return {
+                "dtype": self.draft_dtype or self.dtype,
+                "device": self.device,
                 "cache_capacity_bytes": self.cache_capacity_bytes,
-                "fixed_shape_verify": self.fixed_shape_verify,
-                "max_speculative_tokens": max_speculative_tokens}
+            }
+        return {
+            "dtype": self.dtype,
+            "device": self.device,
+            "cache_capacity_bytes": self.cache_capacity_bytes,
+            "fixed_shape_verify": self.fixed_shape_verify,
+            "max_speculative_tokens": max_speculative_tokens,
+        }
 
 
 def build_app(args: dict) -> Application:

@@ -44,11 +44,12 @@ def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -
     Raises:
         specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
     """
-    from specdec import bundled
+    from specdec.pairs import bundled
 
     overrides = dict(overrides or {})
-    args = next(app.args for app in load_config(path, overrides).applications
-                if app.name == APPLICATION)
+    args = next(
+        app.args for app in load_config(path, overrides).applications if app.name == APPLICATION
+    )
     for key, dtype_key in (("draft_model", "draft_dtype"), ("target_model", "dtype")):
         spec = str(args.get(key, ""))
         if spec.startswith(bundled.SPEC_PREFIX):
@@ -57,8 +58,12 @@ def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -
     return overrides
 
 
-def deploy(path: str | Path, address: str | None = None, overrides: dict[str, Any] | None = None,
-           timeout_s: float = 600.0) -> None:
+def deploy(
+    path: str | Path,
+    address: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+) -> None:
     """Deploys the config to the cluster at ``address`` and waits until it is RUNNING.
 
     Raises:
@@ -71,12 +76,15 @@ def deploy(path: str | Path, address: str | None = None, overrides: dict[str, An
     elif not _same_cluster(address, connected := ray.get_runtime_context().gcs_address):
         # Deploying through the open connection would deploy to the wrong cluster, and then
         # wait for replicas that cluster may never place.
-        raise RuntimeError(f"this process is connected to the Ray cluster at {connected}, "
-                           f"not {address}: call ray.shutdown() first")
+        raise RuntimeError(
+            f"this process is connected to the Ray cluster at {connected}, "
+            f"not {address}: call ray.shutdown() first"
+        )
     client = serve_api.serve_start(
         http_options=config.http_options.model_dump(),
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
-        proxy_location=config.proxy_location)
+        proxy_location=config.proxy_location,
+    )
     client.deploy_apps(config, _blocking=False)
     wait_running([app.name for app in config.applications], timeout_s)
 
@@ -104,7 +112,9 @@ def wait_running(names: list[str], timeout_s: float) -> None:
         states = {name: apps[name].status if name in apps else "NOT_STARTED" for name in names}
         failed = [name for name, state in states.items() if state == "DEPLOY_FAILED"]
         if failed:
-            raise RuntimeError(f"application {failed[0]} failed to deploy: {apps[failed[0]].message}")
+            raise RuntimeError(
+                f"application {failed[0]} failed to deploy: {apps[failed[0]].message}"
+            )
         if all(state == "RUNNING" for state in states.values()):
             return
         if time.monotonic() > deadline:

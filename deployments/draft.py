@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from ray import serve
 
-from specdec.proposer import DraftProposer
-from specdec.v1 import worker_pb2
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
+from specdec.models.proposer import DraftProposer
+from specdec.v1 import worker_pb2
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0, "resources": {"draft_pool": 1}},
-                  request_router_config=CONSISTENT_HASH_ROUTER, max_ongoing_requests=32)
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0, "resources": {"draft_pool": 1}},
+    request_router_config=CONSISTENT_HASH_ROUTER,
+    max_ongoing_requests=32,
+)
 class DraftModel(ModelReplica):
-    """Proposes k tokens per round for any session (see specdec.proposer.DraftProposer)."""
+    """Proposes k tokens per round for any session (see specdec.models.proposer.DraftProposer)."""
 
     def __init__(self, model: str, **kwargs) -> None:
         super().__init__(DraftProposer, model, **kwargs)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from specdec.models import load_model
-from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
-from specdec.v1 import worker_pb2
 from specdec.deployments.metrics import ReplicaMetrics
+from specdec.models.loading import load_model
+from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
+from specdec.v1 import worker_pb2
 
 log = logging.getLogger("ray.serve")
 Response = TypeVar("Response")
@@ -37,21 +38,34 @@ class ModelReplica:
         side_kwargs: further arguments of side_cls (e.g. the verifier's fixed_width).
     """
 
-    def __init__(self, side_cls: type[SessionModel], model: str, dtype: str = "float32",
-                 device: str = "cpu", cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-                 **side_kwargs) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                               thread_name_prefix="model")
+    def __init__(
+        self,
+        side_cls: type[SessionModel],
+        model: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+        **side_kwargs,
+    ) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="model"
+        )
         # Loading runs on the compute thread too: OpenMP keeps a thread team per thread that
         # starts parallel work, and a second, idle team made every CPU forward ~1.5x slower
         # (int8 draft step 36 -> 54 ms, measured).
         loaded = self._executor.submit(load_model, model, dtype=dtype, device=device).result()
         self._dtype = dtype
-        self.side = self._executor.submit(side_cls, loaded, cache_capacity_bytes,
-                                          **side_kwargs).result()
+        self.side = self._executor.submit(
+            side_cls, loaded, cache_capacity_bytes, **side_kwargs
+        ).result()
         self._metrics = ReplicaMetrics()
-        log.info("loaded %s (%s, %s) with a %d-byte session cache", model, dtype, device,
-                 cache_capacity_bytes)
+        log.info(
+            "loaded %s (%s, %s) with a %d-byte session cache",
+            model,
+            dtype,
+            device,
+            cache_capacity_bytes,
+        )
 
     async def _compute(self, method: str, fn: Callable[..., Response], request) -> Response:
         response = await asyncio.get_running_loop().run_in_executor(self._executor, fn, request)
@@ -66,15 +80,21 @@ class ModelReplica:
         self._report_cache()
         return response
 
-    async def cache_stats(self, request: worker_pb2.CacheStatsRequest | None = None
-                          ) -> worker_pb2.CacheStats:
+    async def cache_stats(
+        self, request: worker_pb2.CacheStatsRequest | None = None
+    ) -> worker_pb2.CacheStats:
         return self.side.cache_stats()
 
     async def model_info(self) -> dict:
         """vocab_size, context_limit (tokens), eos_token_ids, name and dtype of the model."""
         loaded = self.side.loaded
-        return {"name": loaded.name, "dtype": self._dtype, "vocab_size": loaded.vocab_size,
-                "context_limit": loaded.context_limit, "eos_token_ids": sorted(loaded.eos_token_ids)}
+        return {
+            "name": loaded.name,
+            "dtype": self._dtype,
+            "vocab_size": loaded.vocab_size,
+            "context_limit": loaded.context_limit,
+            "eos_token_ids": sorted(loaded.eos_token_ids),
+        }
 
     async def replica_id(self) -> str:
         """This replica's Serve id (tests and operators use it to find a session's replica)."""

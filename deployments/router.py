@@ -1,6 +1,6 @@
 """The router deployment: the public gRPC endpoint, running every request's speculative rounds.
 
-It holds no model weights, only the tokenizer. Each request runs specdec.round_loop.RoundLoop
+It holds no model weights, only the tokenizer. Each request runs specdec.decoding.round_loop.RoundLoop
 over a HandleTransport: Serve deployment handles to the draft and target deployments, bound to
 the request's session id (ConsistentHashRouter keeps a session on one replica) and using Serve's
 per-replica gRPC transport (``_by_reference=False``).
@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -22,16 +22,16 @@ from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from specdec.adaptive import CostModel
+from specdec.decoding.controller import CostModel
+from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
+from specdec.decoding.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from specdec.decoding.stopping import Delta
+from specdec.deployments.metrics import RouterMetrics
 from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
 from specdec.errors import InvalidRequestError
-from specdec.models import check_same_tokenizer, load_tokenizer
-from specdec.request import AUTO, ModelLimits, encode_prompt, prepare_request
-from specdec.round_loop import Completion, LoopConfig, RoundLoop
-from specdec.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from specdec.stopping import Delta
+from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
-from specdec.deployments.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 
@@ -49,9 +49,9 @@ class RouterOptions:
             only their tokenizers).
         max_speculative_tokens: k_max.
         draft_top_n: the draft samples from its top-N tokens (0 = whole vocabulary).
-        concurrent_prefill: as specdec.round_loop.LoopConfig (False when both models share a
+        concurrent_prefill: as specdec.decoding.round_loop.LoopConfig (False when both models share a
             CPU's cores).
-        dynamic_draft_length: as specdec.round_loop.LoopConfig: adaptive rounds draft up to
+        dynamic_draft_length: as specdec.decoding.round_loop.LoopConfig: adaptive rounds draft up to
             k_max tokens and stop on the draft's confidence.
         call_timeout_s: seconds one propose or verify may take before it is retried elsewhere.
         unavailable_after_s: seconds of failed retries after which a request gets UNAVAILABLE.
@@ -80,8 +80,13 @@ class HandleTransport:
     session. Draws are keyed by position, so a retried call gives the same tokens.
     """
 
-    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, session_id: str,
-                 options: RouterOptions) -> None:
+    def __init__(
+        self,
+        draft: DeploymentHandle,
+        target: DeploymentHandle,
+        session_id: str,
+        options: RouterOptions,
+    ) -> None:
         self._draft = draft.options(session_id=session_id)
         self._target = target.options(session_id=session_id)
         self._options = options
@@ -94,8 +99,10 @@ class HandleTransport:
 
     async def release(self, session_id: str) -> None:
         request = worker_pb2.ReleaseRequest(session_id=session_id)
-        calls = [asyncio.wait_for(handle.release.remote(request), self._options.call_timeout_s)
-                 for handle in (self._draft, self._target)]
+        calls = [
+            asyncio.wait_for(handle.release.remote(request), self._options.call_timeout_s)
+            for handle in (self._draft, self._target)
+        ]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.warning("release of session %s failed: %r", session_id, result)
@@ -106,12 +113,15 @@ class HandleTransport:
         delay = 0.05
         while True:
             try:
-                return await asyncio.wait_for(getattr(handle, method).remote(request),
-                                              self._options.call_timeout_s)
+                return await asyncio.wait_for(
+                    getattr(handle, method).remote(request), self._options.call_timeout_s
+                )
             except (RayActorError, asyncio.TimeoutError) as err:
                 if loop.time() + delay >= give_up:
-                    raise ServiceUnavailable(f"{handle.deployment_name}.{method}: no replica "
-                                             f"answered ({type(err).__name__})") from err
+                    raise ServiceUnavailable(
+                        f"{handle.deployment_name}.{method}: no replica "
+                        f"answered ({type(err).__name__})"
+                    ) from err
                 log.warning("%s.%s failed (%r); retrying", handle.deployment_name, method, err)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -123,13 +133,19 @@ def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
     Raises:
         InvalidRequestError naming the field.
     """
+
     def get(field, default):
         return getattr(request, field) if request.HasField(field) else default
 
-    return SamplingParams(max_new_tokens=get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
-                          temperature=get("temperature", 0.0), top_k=get("top_k", 0),
-                          top_p=get("top_p", 1.0), seed=get("seed", None), stop=list(request.stop),
-                          stop_token_ids=list(request.stop_token_ids))
+    return SamplingParams(
+        max_new_tokens=get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+        temperature=get("temperature", 0.0),
+        top_k=get("top_k", 0),
+        top_p=get("top_p", 1.0),
+        seed=get("seed", None),
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+    )
 
 
 def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -144,8 +160,12 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
 # A router replica being scaled down holds whole requests (streams of many rounds), not single
 # calls: it drains for up to graceful_shutdown_timeout_s (Serve's default, 20 s, is shorter than
 # a long generation on a CPU) and checks every wait_loop_s whether its last stream has ended.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
-                  graceful_shutdown_timeout_s=300, graceful_shutdown_wait_loop_s=1)
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=256,
+    graceful_shutdown_timeout_s=300,
+    graceful_shutdown_wait_loop_s=1,
+)
 class SpeculativeRouter:
     """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health).
 
@@ -161,15 +181,18 @@ class SpeculativeRouter:
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(self.options.max_speculative_tokens)
-        self.config = LoopConfig(k_max=self.options.max_speculative_tokens,
-                                 draft_top_n=self.options.draft_top_n,
-                                 concurrent_prefill=self.options.concurrent_prefill,
-                                 dynamic_draft_length=self.options.dynamic_draft_length)
+        self.config = LoopConfig(
+            k_max=self.options.max_speculative_tokens,
+            draft_top_n=self.options.draft_top_n,
+            concurrent_prefill=self.options.concurrent_prefill,
+            dynamic_draft_length=self.options.dynamic_draft_length,
+        )
         self.metrics = RouterMetrics()
         self._info: tuple[dict, dict] | None = None
 
-    async def Generate(self, request: specdec_pb2.GenerateRequest,
-                       grpc_context: RayServegRPCContext) -> specdec_pb2.GenerateResponse:
+    async def Generate(
+        self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> specdec_pb2.GenerateResponse:
         """Unary generation: the whole completion with usage and stats."""
         start = time.perf_counter()
         try:
@@ -183,9 +206,9 @@ class SpeculativeRouter:
         self._succeed("Generate", loop.completion, start)
         return _response(loop.completion, request.logprobs)
 
-    async def GenerateStream(self, request: specdec_pb2.GenerateRequest,
-                             grpc_context: RayServegRPCContext
-                             ) -> AsyncIterator[specdec_pb2.GenerateResponse]:
+    async def GenerateStream(
+        self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[specdec_pb2.GenerateResponse]:
         """One message per round with its new tokens and text; the last adds finish reason,
         usage and stats. A client cancel or deadline stops the rounds and releases the session."""
         start = time.perf_counter()
@@ -206,8 +229,9 @@ class SpeculativeRouter:
         self._succeed("GenerateStream", loop.completion, start)
         yield final
 
-    async def GetModelInfo(self, request: specdec_pb2.ModelInfoRequest,
-                           grpc_context: RayServegRPCContext) -> specdec_pb2.ModelInfo:
+    async def GetModelInfo(
+        self, request: specdec_pb2.ModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> specdec_pb2.ModelInfo:
         try:
             draft, target = await self._model_info()
         except Exception as err:  # noqa: BLE001
@@ -215,12 +239,18 @@ class SpeculativeRouter:
             return specdec_pb2.ModelInfo()
         o = self.options
         return specdec_pb2.ModelInfo(
-            draft_model=draft["name"], target_model=target["name"], vocab_size=target["vocab_size"],
-            draft_context_limit=draft["context_limit"], target_context_limit=target["context_limit"],
+            draft_model=draft["name"],
+            target_model=target["name"],
+            vocab_size=target["vocab_size"],
+            draft_context_limit=draft["context_limit"],
+            target_context_limit=target["context_limit"],
             context_limit=min(draft["context_limit"], target["context_limit"]),
-            draft_pool=o.draft_pool, target_pool=o.target_pool,
-            draft_dtype=draft["dtype"], target_dtype=target["dtype"],
-            max_speculative_tokens=o.max_speculative_tokens)
+            draft_pool=o.draft_pool,
+            target_pool=o.target_pool,
+            draft_dtype=draft["dtype"],
+            target_dtype=target["dtype"],
+            max_speculative_tokens=o.max_speculative_tokens,
+        )
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """grpc.health.v1: SERVING while the router runs (Serve restarts an unhealthy one)."""
@@ -243,18 +273,28 @@ class SpeculativeRouter:
         if self._info is None:
             timeout = self.options.unavailable_after_s
             try:
-                self._info = tuple(await asyncio.wait_for(asyncio.gather(
-                    self.draft.model_info.remote(), self.target.model_info.remote()), timeout))
+                self._info = tuple(
+                    await asyncio.wait_for(
+                        asyncio.gather(
+                            self.draft.model_info.remote(), self.target.model_info.remote()
+                        ),
+                        timeout,
+                    )
+                )
             except (RayActorError, asyncio.TimeoutError) as err:
-                raise ServiceUnavailable(f"draft or target deployment not answering: {err!r}") from err
+                raise ServiceUnavailable(
+                    f"draft or target deployment not answering: {err!r}"
+                ) from err
         return self._info
 
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
-        return ModelLimits(vocab_size=target["vocab_size"],
-                           context_limit=min(draft["context_limit"], target["context_limit"]),
-                           max_speculative_tokens=self.options.max_speculative_tokens,
-                           eos_token_ids=frozenset(target["eos_token_ids"]))
+        return ModelLimits(
+            vocab_size=target["vocab_size"],
+            context_limit=min(draft["context_limit"], target["context_limit"]),
+            max_speculative_tokens=self.options.max_speculative_tokens,
+            eos_token_ids=frozenset(target["eos_token_ids"]),
+        )
 
     def _fail(self, method: str, err: Exception, grpc_context: RayServegRPCContext):
         code, details = grpc_status(err)
@@ -271,19 +311,26 @@ class SpeculativeRouter:
 
 
 def _delta_message(delta: Delta, logprobs: bool) -> specdec_pb2.GenerateResponse:
-    return specdec_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids,
-                                        logprobs=delta.logprobs if logprobs else ())
+    return specdec_pb2.GenerateResponse(
+        text=delta.text, token_ids=delta.token_ids, logprobs=delta.logprobs if logprobs else ()
+    )
 
 
 def _add_summary(message: specdec_pb2.GenerateResponse, completion: Completion) -> None:
     message.finish_reason = completion.finish_reason
-    message.usage.CopyFrom(specdec_pb2.Usage(prompt_tokens=completion.prompt_tokens,
-                                             completion_tokens=completion.completion_tokens))
+    message.usage.CopyFrom(
+        specdec_pb2.Usage(
+            prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens
+        )
+    )
     message.stats.CopyFrom(completion.stats.to_proto())
 
 
 def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateResponse:
-    message = specdec_pb2.GenerateResponse(text=completion.text, token_ids=completion.token_ids,
-                                           logprobs=completion.logprobs if logprobs else ())
+    message = specdec_pb2.GenerateResponse(
+        text=completion.text,
+        token_ids=completion.token_ids,
+        logprobs=completion.logprobs if logprobs else (),
+    )
     _add_summary(message, completion)
     return message

@@ -8,11 +8,11 @@ pay for importing torch and transformers.
 import importlib
 
 _EXPORTS = {
-    "Completion": "specdec.round_loop",
+    "Completion": "specdec.decoding.round_loop",
     "InvalidRequestError": "specdec.errors",
     "ModelLoadError": "specdec.errors",
-    "SamplingParams": "specdec.sampling",
-    "SpeculationStats": "specdec.stats",
+    "SamplingParams": "specdec.decoding.sampling",
+    "SpeculationStats": "specdec.decoding.stats",
     "SpeculativeEngine": "specdec.engine",
 }
 __all__ = sorted(_EXPORTS)

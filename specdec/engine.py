@@ -5,19 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import torch
 
-from specdec.adaptive import CostModel
-from specdec.models import LoadedModel, check_same_tokenizer, load_model_pair
-from specdec.proposer import DraftProposer
-from specdec.request import AUTO, ModelLimits, encode_prompt, prepare_request
-from specdec.round_loop import Completion, LoopConfig, RoundLoop
-from specdec.sampling import SamplingParams
-from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES
-from specdec.stopping import Delta
-from specdec.verifier import TargetVerifier, fixed_width_for
+from specdec.decoding.controller import CostModel
+from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
+from specdec.decoding.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.stopping import Delta
+from specdec.models.loading import LoadedModel, check_same_tokenizer, load_model_pair
+from specdec.models.proposer import DraftProposer
+from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES
+from specdec.models.verifier import TargetVerifier, fixed_width_for
 from specdec.v1 import worker_pb2
 
 DEFAULT_MAX_SPECULATIVE_TOKENS = 8
@@ -48,7 +49,7 @@ class SpeculativeEngine:
 
     Greedy output equals the target model's greedy output token for token; sampled output follows
     the target's distribution under the request's temperature / top-k / top-p (the acceptance rule
-    is in specdec.speculative).
+    is in specdec.decoding.rejection).
 
     Args:
         draft, target: loaded models sharing a tokenizer (ModelLoadError otherwise).
@@ -59,46 +60,69 @@ class SpeculativeEngine:
             output cannot depend on k through rounding (TargetVerifier); None = on in half
             precision.
         dynamic_draft_length: adaptive rounds draft up to k_max tokens and stop on the draft's
-            confidence (specdec.round_loop.LoopConfig).
+            confidence (specdec.decoding.round_loop.LoopConfig).
     """
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, *,
-                 max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
-                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-                 draft_top_n: int = DEFAULT_DRAFT_TOP_N,
-                 fixed_shape_verify: bool | None = None,
-                 dynamic_draft_length: bool = True) -> None:
+    def __init__(
+        self,
+        draft: LoadedModel,
+        target: LoadedModel,
+        *,
+        max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
+        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+        draft_top_n: int = DEFAULT_DRAFT_TOP_N,
+        fixed_shape_verify: bool | None = None,
+        dynamic_draft_length: bool = True,
+    ) -> None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
         self.draft, self.target = draft, target
         self.tokenizer = target.tokenizer
         width = fixed_width_for(target, max_speculative_tokens, fixed_shape_verify)
-        self.transport = LocalTransport(DraftProposer(draft, cache_capacity_bytes),
-                                        TargetVerifier(target, cache_capacity_bytes, width))
+        self.transport = LocalTransport(
+            DraftProposer(draft, cache_capacity_bytes),
+            TargetVerifier(target, cache_capacity_bytes, width),
+        )
         self.limits = ModelLimits(
             vocab_size=target.vocab_size,
             context_limit=min(draft.context_limit, target.context_limit),
             max_speculative_tokens=max_speculative_tokens,
-            eos_token_ids=target.eos_token_ids)
-        self.config = LoopConfig(k_max=max_speculative_tokens, draft_top_n=draft_top_n,
-                                 dynamic_draft_length=dynamic_draft_length)
+            eos_token_ids=target.eos_token_ids,
+        )
+        self.config = LoopConfig(
+            k_max=max_speculative_tokens,
+            draft_top_n=draft_top_n,
+            dynamic_draft_length=dynamic_draft_length,
+        )
         self.costs = CostModel(max_speculative_tokens)
 
     @classmethod
-    def from_pretrained(cls, draft_model: str | os.PathLike, target_model: str | os.PathLike, *,
-                        dtype: str = "float32", device: str | torch.device = "cpu",
-                        draft_dtype: str | None = None, **kwargs: Any) -> "SpeculativeEngine":
+    def from_pretrained(
+        cls,
+        draft_model: str | os.PathLike,
+        target_model: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        draft_dtype: str | None = None,
+        **kwargs: Any,
+    ) -> SpeculativeEngine:
         """Loads both models offline (see specdec.models.load_model_pair) and builds the engine.
 
         ``draft_dtype`` defaults to ``dtype``; "int8" makes a CPU draft about twice as fast.
         """
-        draft, target = load_model_pair(draft_model, target_model, dtype=dtype, device=device,
-                                        draft_dtype=draft_dtype)
+        draft, target = load_model_pair(
+            draft_model, target_model, dtype=dtype, device=device, draft_dtype=draft_dtype
+        )
         return cls(draft, target, **kwargs)
 
-    def generate(self, prompt: str | Sequence[int] | None = None,
-                 params: SamplingParams | None = None,
-                 num_speculative_tokens: int | str = AUTO, *,
-                 messages: Sequence[dict[str, Any]] | None = None) -> Completion:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        num_speculative_tokens: int | str = AUTO,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+    ) -> Completion:
         """Generates one completion.
 
         Args:
@@ -112,6 +136,7 @@ class SpeculativeEngine:
         Raises:
             InvalidRequestError (a ValueError) naming the invalid field.
         """
+
         async def collect() -> Completion:
             loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
             async with contextlib.aclosing(loop.run()) as deltas:
@@ -121,11 +146,14 @@ class SpeculativeEngine:
 
         return asyncio.run(collect())
 
-    async def generate_stream(self, prompt: str | Sequence[int] | None = None,
-                              params: SamplingParams | None = None,
-                              num_speculative_tokens: int | str = AUTO, *,
-                              messages: Sequence[dict[str, Any]] | None = None
-                              ) -> AsyncIterator[Delta]:
+    async def generate_stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        num_speculative_tokens: int | str = AUTO,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[Delta]:
         """Like generate, yielding one Delta per round (text deltas concatenate to the text)."""
         loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
         async with contextlib.aclosing(loop.run()) as deltas:
@@ -134,6 +162,7 @@ class SpeculativeEngine:
 
     def _round_loop(self, prompt, params, num_speculative_tokens, messages) -> RoundLoop:
         prompt_ids = encode_prompt(self.tokenizer, prompt, messages)
-        request = prepare_request(prompt_ids, params or SamplingParams(), self.limits,
-                                  num_speculative_tokens)
+        request = prepare_request(
+            prompt_ids, params or SamplingParams(), self.limits, num_speculative_tokens
+        )
         return RoundLoop(self.transport, self.tokenizer, request, self.costs, self.config)

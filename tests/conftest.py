@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import SpeculativeEngine
-from specdec.tiny_models import save_pair
+from specdec.pairs.tiny import save_pair
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def engine(tiny_pair):
 def force_confidence_stop(monkeypatch):
     """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on
     the draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
-    from specdec.adaptive import KController, RoundPlan
+    from specdec.decoding.controller import KController, RoundPlan
 
     adaptive_choose = KController.choose
 

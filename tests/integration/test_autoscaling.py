@@ -2,7 +2,7 @@
 
 Its own local cluster (a separate state dir), started and stopped by this module, so no other
 module's damage (test_serving kills a node) can reach it. The autoscaling configs are the
-shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.loadtest
+shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.tools.loadtest
 with Stages that end on a scaling event (``until``) rather than after a guessed time.
 """
 
@@ -14,18 +14,27 @@ import sys
 import pytest
 
 from specdec import SamplingParams
-from specdec.loadtest import LoadTest, Stage, build_requests, run
-from specdec.tiny_models import PROMPTS
+from specdec.pairs.tiny import PROMPTS
+from specdec.tools.loadtest import LoadTest, Stage, build_requests, run
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the local cluster reads /proc"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the local cluster reads /proc"
+    ),
 ]
 DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
 MAX_NEW_TOKENS = 48
 CONCURRENCY = 6
-FAST = dict(min_replicas=1, max_replicas=2, target_ongoing_requests=2, metrics_interval_s=0.5,
-            look_back_period_s=2, upscale_delay_s=1, downscale_delay_s=4)
+FAST = dict(
+    min_replicas=1,
+    max_replicas=2,
+    target_ongoing_requests=2,
+    metrics_interval_s=0.5,
+    look_back_period_s=2,
+    upscale_delay_s=1,
+    downscale_delay_s=4,
+)
 # The router scales too (6 clients / 3 per replica): its scale-down drains live streams.
 AUTOSCALING = {DRAFT: FAST, TARGET: FAST, ROUTER: {**FAST, "target_ongoing_requests": 3}}
 
@@ -53,13 +62,21 @@ def _load(autoscaled, k: int, busy: str) -> dict:
     back to 1. Returns the report, with the LoadTest's results under "results"."""
     address, ray_address = autoscaled
     all_one = lambda r: set(r.values()) == {1}  # noqa: E731
-    stages = [Stage(0, 60, until=all_one),
-              Stage(CONCURRENCY, 60, until=lambda r: r.get(busy, 0) >= 2),
-              Stage(CONCURRENCY, 4),
-              Stage(1, 60, until=all_one)]
+    stages = [
+        Stage(0, 60, until=all_one),
+        Stage(CONCURRENCY, 60, until=lambda r: r.get(busy, 0) >= 2),
+        Stage(CONCURRENCY, 4),
+        Stage(1, 60, until=all_one),
+    ]
     requests = build_requests(max_new_tokens=MAX_NEW_TOKENS, k=k)
-    load = LoadTest(requests, address=address, request_timeout_s=60, drain_s=30,
-                    keep_outputs=True, progress=False)
+    load = LoadTest(
+        requests,
+        address=address,
+        request_timeout_s=60,
+        drain_s=30,
+        keep_outputs=True,
+        progress=False,
+    )
     report = asyncio.run(run(load, stages, ray_address))
     report["results"] = load.results
     return report

@@ -14,7 +14,9 @@ from specdec.cluster import local
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the local cluster reads /proc"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the local cluster reads /proc"
+    ),
 ]
 
 
@@ -83,8 +85,10 @@ def test_local_cluster_pools_and_teardown(tmp_path, canaries):
         cluster = {p: now[p] for p in local.cluster_pids(info) if p in now}
         recorded = {n.pid: n.start_ticks for n in info.nodes}
         assert recorded.items() <= cluster.items()
-        print(f"\nstartup {startup_s:.1f} s (up() says {info.startup_s} s), "
-              f"{len(cluster)} processes, RSS {info.rss_bytes / 2**20:.0f} MiB after up")
+        print(
+            f"\nstartup {startup_s:.1f} s (up() says {info.startup_s} s), "
+            f"{len(cluster)} processes, RSS {info.rss_bytes / 2**20:.0f} MiB after up"
+        )
 
     stopped = set(cm.stopped)
     assert set(recorded) <= stopped

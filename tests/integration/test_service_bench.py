@@ -11,20 +11,34 @@ import json
 
 import pytest
 
-from specdec import bench
+from specdec.tools import bench
 
 pytestmark = pytest.mark.integration
 
 
 def _args(tmp_path, address, **overrides):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question_id": 1, "category": "code", "prompt": "def add(a, b):"}\n'
-                       '{"question_id": 2, "category": "chat", "turns": ["Say hi.", "Again."]}\n'
-                       '{"question_id": 3, "category": "code", "prompt": "import os\\n"}\n')
-    values = dict(address=address, application="specdec", dataset=str(prompts), data_file=None,
-                  category=None, limit=None, max_new_tokens=12, temperature=0.0, seed=0, k=3,
-                  no_hf=False, timeout=120.0, json=str(tmp_path / "out.json"),
-                  plot=str(tmp_path / "out.png"))
+    prompts.write_text(
+        '{"question_id": 1, "category": "code", "prompt": "def add(a, b):"}\n'
+        '{"question_id": 2, "category": "chat", "turns": ["Say hi.", "Again."]}\n'
+        '{"question_id": 3, "category": "code", "prompt": "import os\\n"}\n'
+    )
+    values = dict(
+        address=address,
+        application="specdec",
+        dataset=str(prompts),
+        data_file=None,
+        category=None,
+        limit=None,
+        max_new_tokens=12,
+        temperature=0.0,
+        seed=0,
+        k=3,
+        no_hf=False,
+        timeout=120.0,
+        json=str(tmp_path / "out.json"),
+        plot=str(tmp_path / "out.png"),
+    )
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -54,8 +68,7 @@ def test_bench_reports_every_mode_and_exactness(served, tmp_path, capsys):
 
 def test_bench_category_filter_and_sampling_without_hf(served, tmp_path):
     client, _ = served
-    args = _args(tmp_path, client.address, category="code", temperature=0.8, no_hf=True,
-                 plot=None)
+    args = _args(tmp_path, client.address, category="code", temperature=0.8, no_hf=True, plot=None)
 
     assert bench.main(args) == 0
 

@@ -10,12 +10,11 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from local_service import LOCAL_CONFIG
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.client import build_request
-from specdec.tiny_models import PROMPTS
-
-from local_service import LOCAL_CONFIG
+from specdec.pairs.tiny import PROMPTS
 
 pytestmark = pytest.mark.integration
 APP = "specdec"
@@ -39,7 +38,11 @@ def _replicas(deployment):
     from ray.serve.schema import ServeInstanceDetails
 
     details = ServeInstanceDetails(**serve.context._get_global_client().get_serve_details())
-    return [r for r in details.applications[APP].deployments[deployment].replicas if r.state == "RUNNING"]
+    return [
+        r
+        for r in details.applications[APP].deployments[deployment].replicas
+        if r.state == "RUNNING"
+    ]
 
 
 def _handle(deployment, session_id=None):
@@ -63,9 +66,11 @@ def _cache_stats_per_replica(deployment):
 
 
 def _all_caches_empty():
-    return all(s.sessions == 0 and s.bytes == 0
-               for deployment in ("DraftModel", "TargetModel")
-               for _, s in _cache_stats_per_replica(deployment).values())
+    return all(
+        s.sessions == 0 and s.bytes == 0
+        for deployment in ("DraftModel", "TargetModel")
+        for _, s in _cache_stats_per_replica(deployment).values()
+    )
 
 
 def _wait_until(predicate, timeout_s=20.0):
@@ -91,7 +96,9 @@ def test_stream_deltas_concatenate_to_the_unary_text(client):
     messages = list(client.generate_stream(request))
     assert "".join(m.text for m in messages) == unary.text
     assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
-    assert [p for m in messages for p in m.logprobs] == pytest.approx(list(unary.logprobs), abs=1e-5)
+    assert [p for m in messages for p in m.logprobs] == pytest.approx(
+        list(unary.logprobs), abs=1e-5
+    )
     assert all(not m.finish_reason for m in messages[:-1])
     last = messages[-1]
     assert last.finish_reason == unary.finish_reason and last.usage == unary.usage
@@ -99,7 +106,9 @@ def test_stream_deltas_concatenate_to_the_unary_text(client):
 
 
 def test_sampled_output_is_reproducible_by_seed(client):
-    request = build_request(PROMPTS[0], max_new_tokens=20, temperature=1.0, seed=5, num_speculative_tokens=3)
+    request = build_request(
+        PROMPTS[0], max_new_tokens=20, temperature=1.0, seed=5, num_speculative_tokens=3
+    )
     assert client.generate(request).token_ids == client.generate(request).token_ids
 
 
@@ -108,12 +117,16 @@ def test_model_info_health_and_reflection(client, tiny_pair):
     assert info.draft_model == str(tiny_pair[0]) and info.target_model == str(tiny_pair[1])
     assert info.draft_pool == "draft_pool" and info.target_pool == "target_pool"
     assert info.context_limit == 256 and info.vocab_size > 0
-    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    health = health_pb2_grpc.HealthStub(client.channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=10
+    )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
-    answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    answers = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
     services = {s.name for answer in answers for s in answer.list_services_response.service}
     assert "specdec.v1.SpeculativeDecoding" in services
 
@@ -134,10 +147,12 @@ def test_replicas_run_only_on_their_pool_nodes(client):
         assert not {"draft_pool", "target_pool"} & set(pools[replica.node_id])
 
 
-K_MAX = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]["max_speculative_tokens"]
+K_MAX = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"][
+    "max_speculative_tokens"
+]
 BAD_REQUESTS = [
     ({"prompt": ""}, "prompt"),
-    ({"prompt": "x " * 300}, "prompt"),                      # past the 256-token context limit
+    ({"prompt": "x " * 300}, "prompt"),  # past the 256-token context limit
     ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
     ({"prompt": "hi", "max_new_tokens": -5}, "max_new_tokens"),
     ({"prompt": "hi", "max_new_tokens": 100_000}, "max_new_tokens"),
@@ -168,7 +183,9 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, reference, field
 
 
 def test_cancelled_stream_releases_both_caches(client):
-    stream = client.generate_stream(build_request(PROMPTS[2], max_new_tokens=200, num_speculative_tokens=1))
+    stream = client.generate_stream(
+        build_request(PROMPTS[2], max_new_tokens=200, num_speculative_tokens=1)
+    )
     next(stream)
     next(stream)
     stream.cancel()
@@ -195,7 +212,10 @@ def test_killed_target_replica_mid_request_gives_identical_output(client, refere
     _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=60)
     prompts = PROMPTS[:6]
     n = 200
-    streams = [client.generate_stream(build_request(p, max_new_tokens=n, num_speculative_tokens=1)) for p in prompts]
+    streams = [
+        client.generate_stream(build_request(p, max_new_tokens=n, num_speculative_tokens=1))
+        for p in prompts
+    ]
     firsts = [next(s) for s in streams]  # every session now holds a cache on some replica
     busy = {rid for rid, (_, s) in _cache_stats_per_replica("TargetModel").items() if s.sessions}
     victim = next(r for r in _replicas("TargetModel") if r.replica_id in busy)
@@ -228,9 +248,15 @@ def _scrape_metrics():
 
 def test_prometheus_metrics_are_exported(client):
     client.generate(build_request(PROMPTS[0], max_new_tokens=16, num_speculative_tokens=2))
-    wanted = ["ray_specdec_requests_total", "ray_specdec_accepted_tokens_total", "ray_specdec_rounds_total",
-              "ray_specdec_round_latency_s_bucket", "ray_specdec_ttft_s_bucket", "ray_specdec_cache_sessions",
-              "ray_specdec_compute_s_bucket"]
+    wanted = [
+        "ray_specdec_requests_total",
+        "ray_specdec_accepted_tokens_total",
+        "ray_specdec_rounds_total",
+        "ray_specdec_round_latency_s_bucket",
+        "ray_specdec_ttft_s_bucket",
+        "ray_specdec_cache_sessions",
+        "ray_specdec_compute_s_bucket",
+    ]
     text = ""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(name in text for name in wanted):
@@ -250,8 +276,10 @@ def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):
     import signal
 
     _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=90)
-    streams = [client.generate_stream(build_request(p, max_new_tokens=230, num_speculative_tokens=0))
-               for p in PROMPTS[:4]]
+    streams = [
+        client.generate_stream(build_request(p, max_new_tokens=230, num_speculative_tokens=0))
+        for p in PROMPTS[:4]
+    ]
     for stream in streams:
         next(stream)
     os.kill(served[1].node("target").pid, signal.SIGKILL)
@@ -266,7 +294,9 @@ def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):
 
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
         in_flight = list(pool.map(outcome, streams))
-    assert all(code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE) for code, _ in in_flight), in_flight
+    assert all(
+        code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE) for code, _ in in_flight
+    ), in_flight
     after = outcome(client.generate_stream(build_request(PROMPTS[0], max_new_tokens=8)))
     assert after[0] == grpc.StatusCode.UNAVAILABLE, after
     assert time.monotonic() - start < 90

@@ -6,40 +6,62 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench import Run, format_table, predicted_speedup, sum_stats
-from specdec.datasets import load_prompts
-from specdec.stats import SpeculationStats
+from specdec.decoding.stats import SpeculationStats
+from specdec.tools.bench import Run, format_table, predicted_speedup, sum_stats
+from specdec.tools.datasets import load_prompts
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
 
 
 def _target_only(rounds=11, step_s=0.3, prefill_s=1.0):
-    return SpeculationStats(rounds=rounds, verify_time_s=prefill_s + (rounds - 1) * step_s,
-                            prefill_verify_time_s=prefill_s)
+    return SpeculationStats(
+        rounds=rounds,
+        verify_time_s=prefill_s + (rounds - 1) * step_s,
+        prefill_verify_time_s=prefill_s,
+    )
 
 
 def test_bound_is_tokens_per_round_over_round_cost_in_target_steps():
     # 10 decode rounds of k = 4 committing 33 accepted + 10 = 4.3 tokens per round; draft
     # 0.05 s/token, verify 0.3 s per round; a target-only step is 0.3 s.
-    spec = SpeculationStats(rounds=11, draft_tokens=40, accepted_tokens=33,
-                            draft_time_s=0.2 + 10 * 4 * 0.05, prefill_draft_time_s=0.2,
-                            verify_time_s=1.0 + 10 * 0.3, prefill_verify_time_s=1.0)
+    spec = SpeculationStats(
+        rounds=11,
+        draft_tokens=40,
+        accepted_tokens=33,
+        draft_time_s=0.2 + 10 * 4 * 0.05,
+        prefill_draft_time_s=0.2,
+        verify_time_s=1.0 + 10 * 0.3,
+        prefill_verify_time_s=1.0,
+    )
     assert predicted_speedup(spec, _target_only()) == pytest.approx(4.3 * 0.3 / 0.5)
 
 
 def test_bound_needs_decode_rounds_on_both_sides():
-    spec = SpeculationStats(rounds=3, draft_tokens=5, accepted_tokens=2, draft_time_s=0.5,
-                            verify_time_s=0.6)
+    spec = SpeculationStats(
+        rounds=3, draft_tokens=5, accepted_tokens=2, draft_time_s=0.5, verify_time_s=0.6
+    )
     assert predicted_speedup(spec, _target_only()) == pytest.approx(2.0 * 0.3 / 0.55)
     assert predicted_speedup(SpeculationStats(rounds=1), _target_only()) is None
     assert predicted_speedup(spec, SpeculationStats(rounds=1)) is None
 
 
 def test_sum_stats_adds_counts_and_recomputes_rates():
-    a = SpeculationStats(rounds=5, draft_tokens=8, accepted_tokens=6, verify_time_s=1.0,
-                         accepted_per_position=[3, 2], drafted_per_position=[4, 4])
-    b = SpeculationStats(rounds=3, draft_tokens=4, accepted_tokens=1, verify_time_s=0.5,
-                         accepted_per_position=[1, 0], drafted_per_position=[2, 2])
+    a = SpeculationStats(
+        rounds=5,
+        draft_tokens=8,
+        accepted_tokens=6,
+        verify_time_s=1.0,
+        accepted_per_position=[3, 2],
+        drafted_per_position=[4, 4],
+    )
+    b = SpeculationStats(
+        rounds=3,
+        draft_tokens=4,
+        accepted_tokens=1,
+        verify_time_s=0.5,
+        accepted_per_position=[1, 0],
+        drafted_per_position=[2, 2],
+    )
     total = sum_stats([a, b])
     assert (total.decode_rounds, total.draft_tokens, total.accepted_tokens) == (6, 12, 7)
     assert total.acceptance_rate == pytest.approx(7 / 12)
@@ -55,14 +77,47 @@ def test_run_splits_ttft_from_decode_time():
 
 
 def test_table_marks_what_a_mode_did_not_measure():
-    summary = {"target_only": {"tokens_per_second": 3.0, "ttft_s": 0.5, "speedup": 1.0},
-               "hf_assisted": {"tokens_per_second": 4.5, "ttft_s": 0.7, "speedup": 1.5,
-                               "exact_share": 1.0}}
+    summary = {
+        "target_only": {"tokens_per_second": 3.0, "ttft_s": 0.5, "speedup": 1.0},
+        "hf_assisted": {
+            "tokens_per_second": 4.5,
+            "ttft_s": 0.7,
+            "speedup": 1.5,
+            "exact_share": 1.0,
+        },
+    }
     lines = format_table(summary, greedy=True).splitlines()
-    assert lines[0].split() == ["mode", "tok/s", "TTFT", "ms", "speedup", "accept", "tok/rnd",
-                                "mean", "k", "decode", "bound", "share", "ovh", "ms", "exact"]
-    assert lines[3].split() == ["hf_assisted", "4.50", "700", "1.50x", "-", "-", "-", "-", "-",
-                                "-", "-", "100%"]
+    assert lines[0].split() == [
+        "mode",
+        "tok/s",
+        "TTFT",
+        "ms",
+        "speedup",
+        "accept",
+        "tok/rnd",
+        "mean",
+        "k",
+        "decode",
+        "bound",
+        "share",
+        "ovh",
+        "ms",
+        "exact",
+    ]
+    assert lines[3].split() == [
+        "hf_assisted",
+        "4.50",
+        "700",
+        "1.50x",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+        "100%",
+    ]
     assert len({len(line) for line in lines}) == 1  # fixed width
 
 
@@ -70,8 +125,12 @@ def test_table_marks_what_a_mode_did_not_measure():
 def test_question_files_load_first_turns_by_category():
     mt = load_prompts("mt-bench", data_file=SHARED_PROMPTS / "mt_bench_question.jsonl")
     assert len(mt) == 80 and all(p.chat and p.prompt is None for p in mt)
-    coding = load_prompts("spec-bench", category="coding", limit=3,
-                          data_file=SHARED_PROMPTS / "spec_bench_question.jsonl")
+    coding = load_prompts(
+        "spec-bench",
+        category="coding",
+        limit=3,
+        data_file=SHARED_PROMPTS / "spec_bench_question.jsonl",
+    )
     assert [p.category for p in coding] == ["coding"] * 3
     assert coding[0].request_fields() == {"messages": [{"role": "user", "content": coding[0].chat}]}
 
@@ -97,7 +156,7 @@ def test_prompt_set_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="no prompt file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
     listed = tmp_path / "list.jsonl"
-    listed.write_text('[1, 2]\n')
+    listed.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"list.jsonl:1: expected a JSON object"):
         load_prompts(str(listed))
     broken = tmp_path / "broken.jsonl"

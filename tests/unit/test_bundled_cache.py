@@ -1,4 +1,4 @@
-"""specdec.bundled's join / verify / stamp logic, on small fake parts (fast; no models needed).
+"""specdec.pairs.bundled's join / verify / stamp logic, on small fake parts (fast; no models needed).
 
 These tests do not need the bundled pair, so they carry no ``e2e`` marker.
 """
@@ -10,17 +10,30 @@ from pathlib import Path
 
 import pytest
 
-from specdec import ModelLoadError, bundled
+from specdec import ModelLoadError
+from specdec.pairs import bundled
 
 
-def _fake_model(tmp_path: Path, monkeypatch, chunks: list[bytes], *, sha256: str | None = None,
-                record_sha: list[str | None] | None = None) -> bundled.BundledModel:
+def _fake_model(
+    tmp_path: Path,
+    monkeypatch,
+    chunks: list[bytes],
+    *,
+    sha256: str | None = None,
+    record_sha: list[str | None] | None = None,
+) -> bundled.BundledModel:
     """Registers a fake "draft" whose parts are files under tmp_path/site."""
     whole = b"".join(chunks)
     model = bundled.BundledModel(
-        role="draft", name="Fake-Coder", quantization="q0", distribution_prefix="fake-part",
-        version="1.0", num_parts=len(chunks), size_bytes=len(whole),
-        sha256=sha256 or hashlib.sha256(whole).hexdigest())
+        role="draft",
+        name="Fake-Coder",
+        quantization="q0",
+        distribution_prefix="fake-part",
+        version="1.0",
+        num_parts=len(chunks),
+        size_bytes=len(whole),
+        sha256=sha256 or hashlib.sha256(whole).hexdigest(),
+    )
     site = tmp_path / "site"
     parts = []
     for i, chunk in enumerate(chunks, start=1):
@@ -93,9 +106,16 @@ def test_checksum_mismatch_without_a_culprit_says_how_to_install(tmp_path, monke
 
 
 def test_missing_part_package_is_named_with_the_install_command(monkeypatch):
-    model = bundled.BundledModel(role="draft", name="Fake", quantization="q0",
-                                 distribution_prefix="specdec-test-no-such-part", version="9.9",
-                                 num_parts=2, size_bytes=1, sha256="0" * 64)
+    model = bundled.BundledModel(
+        role="draft",
+        name="Fake",
+        quantization="q0",
+        distribution_prefix="specdec-test-no-such-part",
+        version="9.9",
+        num_parts=2,
+        size_bytes=1,
+        sha256="0" * 64,
+    )
     with pytest.raises(ModelLoadError) as err:
         bundled._find_parts(model)
     message = str(err.value)

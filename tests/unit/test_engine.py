@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specdec import InvalidRequestError, ModelLoadError, SamplingParams, SpeculativeEngine
-from specdec.models import load_model
-from specdec.tiny_models import PROMPTS, save_pair
+from specdec.models.loading import load_model
+from specdec.pairs.tiny import PROMPTS, save_pair
 
 GREEDY = SamplingParams(max_new_tokens=40)
 
@@ -30,8 +30,13 @@ def test_target_only_equals_hugging_face_greedy_generate(engine):
     model, tokenizer = engine.target.model, engine.tokenizer
     for prompt in PROMPTS[:4]:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        reference = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
-                                   pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+        reference = model.generate(
+            ids,
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, ids.shape[1] :]
         # Our target-only path may stop at EOS earlier; compare up to its length.
         out = engine.generate(prompt, GREEDY, num_speculative_tokens=0).token_ids
         assert out == reference[: len(out)].tolist()
@@ -88,7 +93,10 @@ def test_max_new_tokens_is_never_exceeded(tiny_pair, max_new_tokens):
     engine = SpeculativeEngine.from_pretrained(target, target)  # every block fully accepted
     out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=max_new_tokens), 8)
     assert len(out.token_ids) == max_new_tokens and out.finish_reason == "length"
-    assert out.token_ids == _target_only(engine, PROMPTS[0], SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+    assert (
+        out.token_ids
+        == _target_only(engine, PROMPTS[0], SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+    )
 
 
 def test_prompt_one_token_short_of_the_context_limit_ends_cleanly(tmp_path):
@@ -97,7 +105,9 @@ def test_prompt_one_token_short_of_the_context_limit_ends_cleanly(tmp_path):
     prompt = list(range(10, 10 + 31))
     out = engine.generate(prompt, SamplingParams(max_new_tokens=20), 8)
     assert out.finish_reason == "length" and len(out.token_ids) == 1
-    assert out.token_ids == _target_only(engine, prompt, SamplingParams(max_new_tokens=20)).token_ids
+    assert (
+        out.token_ids == _target_only(engine, prompt, SamplingParams(max_new_tokens=20)).token_ids
+    )
     near = engine.generate(prompt[:-5], SamplingParams(max_new_tokens=20), 8)
     assert len(near.token_ids) == 6 and near.finish_reason == "length"
     with pytest.raises(InvalidRequestError, match="prompt"):
@@ -109,11 +119,14 @@ def test_eos_inside_an_accepted_block_stops_there(tiny_pair):
     engine = SpeculativeEngine.from_pretrained(target, target)
     free = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=30), 0).token_ids
     stop_id = free[5]  # treat the 6th greedy token as a stop token: it lies inside a k=8 block
-    out = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_id]), 8)
+    out = engine.generate(
+        PROMPTS[1], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_id]), 8
+    )
     first = free.index(stop_id)
     assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
-    assert out.text == engine.tokenizer.decode(free[:first], skip_special_tokens=True,
-                                               clean_up_tokenization_spaces=False)
+    assert out.text == engine.tokenizer.decode(
+        free[:first], skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 def test_stop_string_spanning_accepted_tokens_stops_and_trims(tiny_pair):
@@ -126,7 +139,9 @@ def test_stop_string_spanning_accepted_tokens_stops_and_trims(tiny_pair):
     assert out.finish_reason == "stop"
     assert out.text == text[: text.index(stop)]
     assert out.token_ids == free.token_ids[: len(out.token_ids)]
-    assert stop in engine.tokenizer.decode(out.token_ids) and len(out.logprobs) == len(out.token_ids)
+    assert stop in engine.tokenizer.decode(out.token_ids) and len(out.logprobs) == len(
+        out.token_ids
+    )
 
 
 def test_streamed_deltas_concatenate_to_the_text(engine):
@@ -137,7 +152,9 @@ def test_streamed_deltas_concatenate_to_the_text(engine):
 
     deltas = asyncio.run(collect())
     assert "".join(d.text for d in deltas) == engine.generate(PROMPTS[3], GREEDY, 4).text
-    assert deltas[-1].finish_reason is not None and all(d.finish_reason is None for d in deltas[:-1])
+    assert deltas[-1].finish_reason is not None and all(
+        d.finish_reason is None for d in deltas[:-1]
+    )
 
 
 def test_same_seed_same_output_and_different_seeds_differ(engine):
@@ -178,34 +195,46 @@ def test_caches_are_released_after_each_request(engine):
 
 def test_small_cache_capacity_evicts_least_recently_used(tiny_pair):
     from specdec.v1 import worker_pb2
+
     draft, target = tiny_pair
     engine = SpeculativeEngine.from_pretrained(draft, target)
     verifier = engine.transport.verifier
     ids = engine.tokenizer.encode(PROMPTS[0])
     for name in ("a", "b", "c"):
-        verifier.verify(worker_pb2.VerifyRequest(session=worker_pb2.SessionTokens(
-            session_id=name, new_token_ids=ids * 4)))
+        verifier.verify(
+            worker_pb2.VerifyRequest(
+                session=worker_pb2.SessionTokens(session_id=name, new_token_ids=ids * 4)
+            )
+        )
         if name == "a":  # room for two sessions of this size, not three
             verifier.sessions.capacity_bytes = int(verifier.cache_stats().bytes * 2.5)
     stats = verifier.cache_stats()
     assert stats.sessions == 2
     assert stats.bytes <= stats.capacity_bytes and stats.evictions >= 1
     assert "c" in verifier.sessions._entries and "a" not in verifier.sessions._entries
-    miss = verifier.verify(worker_pb2.VerifyRequest(session=worker_pb2.SessionTokens(
-        session_id="a", prefix_len=len(ids) * 4, new_token_ids=[5])))
+    miss = verifier.verify(
+        worker_pb2.VerifyRequest(
+            session=worker_pb2.SessionTokens(
+                session_id="a", prefix_len=len(ids) * 4, new_token_ids=[5]
+            )
+        )
+    )
     assert miss.cache_miss
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": "hi", "num_speculative_tokens": 9}, "num_speculative_tokens"),
-    ({"prompt": "hi", "num_speculative_tokens": -1}, "num_speculative_tokens"),
-    ({"prompt": "hi", "params": SamplingParams(max_new_tokens=10_000)}, "max_new_tokens"),
-    ({"prompt": [999_999]}, "prompt"),
-    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "hi", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+        ({"prompt": "hi", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"prompt": "hi", "params": SamplingParams(max_new_tokens=10_000)}, "max_new_tokens"),
+        ({"prompt": [999_999]}, "prompt"),
+        ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ],
+)
 def test_invalid_requests_raise_value_error_naming_the_field(engine, kwargs, field):
     with pytest.raises(ValueError) as err:
         engine.generate(**kwargs)
@@ -214,8 +243,12 @@ def test_invalid_requests_raise_value_error_naming_the_field(engine, kwargs, fie
 
 def test_chat_messages_use_the_chat_template(engine):
     messages = [{"role": "user", "content": "hello"}]
-    out = engine.generate(messages=messages, params=SamplingParams(max_new_tokens=5), num_speculative_tokens=2)
-    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = engine.generate(
+        messages=messages, params=SamplingParams(max_new_tokens=5), num_speculative_tokens=2
+    )
+    text = engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert out.prompt_tokens == len(engine.tokenizer.encode(text, add_special_tokens=False))
     assert out.token_ids == engine.generate(text, SamplingParams(max_new_tokens=5), 0).token_ids
 
@@ -238,8 +271,11 @@ def test_a_call_finishing_after_its_release_does_not_store_the_session_again(eng
     """A cancelled request releases its session while a forward may still be running; the
     late commit must not bring the entry back (it would leak until evicted)."""
     from specdec.v1 import worker_pb2
+
     verifier = engine.transport.verifier
-    tokens = worker_pb2.SessionTokens(session_id="late", new_token_ids=engine.tokenizer.encode(PROMPTS[0]))
+    tokens = worker_pb2.SessionTokens(
+        session_id="late", new_token_ids=engine.tokenizer.encode(PROMPTS[0])
+    )
     with verifier.session(tokens) as active:
         verifier.feed(active, active.pending, num_logits=1)
         verifier.release(worker_pb2.ReleaseRequest(session_id="late"))
@@ -263,10 +299,14 @@ def test_draft_prefilled_by_its_first_propose_gives_the_same_output(engine):
 
 def _propose(proposer, prompt_ids, session_id, k, floor, temperature=0.0):
     from specdec.v1 import worker_pb2
+
     request = worker_pb2.ProposeRequest(
         session=worker_pb2.SessionTokens(session_id=session_id, new_token_ids=prompt_ids),
-        num_speculative_tokens=k, min_draft_confidence=floor, draft_top_n=16,
-        sampling=worker_pb2.SamplingConfig(temperature=temperature, top_p=1.0, seed=3))
+        num_speculative_tokens=k,
+        min_draft_confidence=floor,
+        draft_top_n=16,
+        sampling=worker_pb2.SamplingConfig(temperature=temperature, top_p=1.0, seed=3),
+    )
     response = proposer.propose(request)
     proposer.release(worker_pb2.ReleaseRequest(session_id=session_id))
     return response
@@ -284,7 +324,7 @@ def test_greedy_draft_stops_after_the_token_where_its_confidence_falls_below_the
         probs = torch.softmax(logits.float(), dim=0)
         sequence.append(int(probs.argmax()))
         products.append(products[-1] * float(probs.max()))
-    continuation = sequence[len(prompt_ids):]
+    continuation = sequence[len(prompt_ids) :]
     assert list(_propose(proposer, prompt_ids, "all", 8, 0.0).token_ids) == continuation
     for stop in (1, 3, 6):
         # Above the product after stop tokens, at or below the one before it.

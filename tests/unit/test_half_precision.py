@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.models import load_model
-from specdec.tiny_models import PROMPTS
+from specdec.models.loading import load_model
+from specdec.pairs.tiny import PROMPTS
 
 GREEDY = SamplingParams(max_new_tokens=32)
 
@@ -43,8 +43,13 @@ def test_fixed_width_padding_never_stays_in_the_cache(bf16_engine):
         response = original(request)
         entry = verifier.sessions._entries.get(request.session.session_id)
         if entry is not None:
-            seen.append((len(entry.cached_ids), request.session.prefix_len
-                         + len(request.session.new_token_ids), response.num_accepted))
+            seen.append(
+                (
+                    len(entry.cached_ids),
+                    request.session.prefix_len + len(request.session.new_token_ids),
+                    response.num_accepted,
+                )
+            )
         return response
 
     verifier.verify = spy

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from specdec import k8s
+from specdec.tools import k8s
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -45,18 +45,28 @@ def render(directory: Path) -> list[dict]:
     for entry in kustomization.get("resources", []):
         path = directory / entry
         # A JSON round trip unshares YAML anchors, so that a patch changes one place only.
-        docs += render(path) if path.is_dir() else [
-            json.loads(json.dumps(d)) for d in yaml.safe_load_all(path.read_text()) if d]
+        docs += (
+            render(path)
+            if path.is_dir()
+            else [json.loads(json.dumps(d)) for d in yaml.safe_load_all(path.read_text()) if d]
+        )
     for patch in kustomization.get("patches", []):
-        targets = [d for d in docs if d["kind"] == patch["target"]["kind"]
-                   and d["metadata"]["name"] == patch["target"]["name"]]
+        targets = [
+            d
+            for d in docs
+            if d["kind"] == patch["target"]["kind"]
+            and d["metadata"]["name"] == patch["target"]["name"]
+        ]
         assert targets, f"{directory}: patch {patch['path']} matches nothing"
         for doc in targets:
             apply_json_patch(doc, yaml.safe_load((directory / patch["path"]).read_text()))
     for image in kustomization.get("images", []):
         for container in _containers(docs):
-            name, _, tag = container["image"].rpartition(":") if ":" in container["image"] else (
-                container["image"], "", "")
+            name, _, tag = (
+                container["image"].rpartition(":")
+                if ":" in container["image"]
+                else (container["image"], "", "")
+            )
             if name == image["name"]:
                 container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
     return docs
@@ -65,7 +75,9 @@ def render(directory: Path) -> list[dict]:
 def apply_json_patch(doc: dict, ops: list[dict]) -> None:
     """RFC 6902 add / replace / remove, in place."""
     for op in ops:
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]
+        ]
         node = doc
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
@@ -140,25 +152,31 @@ def crd_validators() -> dict[str, jsonschema.protocols.Validator]:
         crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
         validators[crd["spec"]["names"]["kind"]] = jsonschema.Draft7Validator(
-            _strict(version["schema"]["openAPIV3Schema"]))
+            _strict(version["schema"]["openAPIV3Schema"])
+        )
     return validators
 
 
 def crd_errors(doc: dict, validators) -> list[str]:
-    return [f"{doc['kind']}/{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in validators[doc["kind"]].iter_errors(doc)]
+    return [
+        f"{doc['kind']}/{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validators[doc["kind"]].iter_errors(doc)
+    ]
 
 
 def _group_resources(group: dict) -> tuple[dict[str, float], list[str]]:
     """(custom resources a Ray group advertises, problems): from exactly one of its `resources`
     field and rayStartParams.resources."""
-    field = {k: float(v) for k, v in group.get("resources", {}).items()
-             if k not in STANDARD_RESOURCES}
+    field = {
+        k: float(v) for k, v in group.get("resources", {}).items() if k not in STANDARD_RESOURCES
+    }
     start = group.get("rayStartParams", {}).get("resources")
     start = yaml.safe_load(start.strip("'\"").replace("\\", "")) if start else {}
     both = sorted(set(field) & set(start))
-    problems = [f"{group['groupName']}: {name} declared in both `resources` and rayStartParams"
-                for name in both]
+    problems = [
+        f"{group['groupName']}: {name} declared in both `resources` and rayStartParams"
+        for name in both
+    ]
     return {**start, **field}, problems
 
 
@@ -185,15 +203,22 @@ def pool_problems(rayservice: dict) -> list[str]:
             hosts = [(g, r) for g, r in advertised.values() if name in r]
             capacity = sum(g["maxReplicas"] * r[name] for g, r in hosts)
             if capacity < amount * replicas:
-                problems.append(f"{deployment['name']}: {replicas} x {name}={amount} but the worker "
-                                f"groups advertise {capacity}")
+                problems.append(
+                    f"{deployment['name']}: {replicas} x {name}={amount} but the worker "
+                    f"groups advertise {capacity}"
+                )
             gpus = options.get("num_gpus", 0)
             for g, _ in hosts:
-                limit = float(g["template"]["spec"]["containers"][0]["resources"]["limits"]
-                              .get("nvidia.com/gpu", 0))
+                limit = float(
+                    g["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+                        "nvidia.com/gpu", 0
+                    )
+                )
                 if limit < gpus:
-                    problems.append(f"{deployment['name']}: needs {gpus} GPU, {g['groupName']} "
-                                    f"pods have {limit}")
+                    problems.append(
+                        f"{deployment['name']}: needs {gpus} GPU, {g['groupName']} "
+                        f"pods have {limit}"
+                    )
     for name, (_, resources) in advertised.items():
         unused = [r for r in resources if r.endswith("_pool") and r not in requested]
         problems += [f"{name}: advertises {r}, which no deployment requests" for r in unused]
@@ -205,15 +230,24 @@ def pool_problems(rayservice: dict) -> list[str]:
 
 def test_generated_serve_configs_are_current():
     for path, text in k8s.rendered_files(K8S).items():
-        assert path.read_text() == text, f"{path} is stale; run `python -m specdec.k8s render`"
+        assert path.read_text() == text, (
+            f"{path} is stale; run `python -m specdec.tools.k8s render`"
+        )
 
 
-@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed: only the test "
-                    "renderer renders k8s/ here")
+@pytest.mark.skipif(
+    not shutil.which("kubectl"),
+    reason="kubectl not installed: only the test renderer renders k8s/ here",
+)
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_test_renderer_agrees_with_kubectl_kustomize(kustomization):
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / kustomization)], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / kustomization)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(yaml.safe_load_all(out), key=key) == sorted(render(K8S / kustomization), key=key)
 
@@ -243,8 +277,13 @@ def test_serve_config_is_valid_for_ray_serve(rendered):
     else:  # the one source of truth, verbatim
         assert rayservice["spec"]["serveConfigV2"] == k8s.gpu_config_text()
     head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
-    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
-    assert ports["serve"] == config.http_options.port and ports["serve-grpc"] == config.grpc_options.port
+    ports = {
+        p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
+    }
+    assert (
+        ports["serve"] == config.http_options.port
+        and ports["serve-grpc"] == config.grpc_options.port
+    )
     assert head["rayStartParams"]["num-cpus"] == "0"
 
 
@@ -256,11 +295,13 @@ def test_worker_groups_advertise_what_the_serve_config_requests(rendered):
 def test_model_init_containers_convert_in_the_serving_dtype(rendered):
     name, docs = rendered
     rayservice = _one(docs, "RayService")
-    args = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == "specdec")["args"]
+    args = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == "specdec")[
+        "args"
+    ]
     for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         (init,) = group["template"]["spec"]["initContainers"]
         command = init["command"]
-        assert command[:5] == ["python", "-m", "specdec.k8s", "models", "/models"]
+        assert command[:5] == ["python", "-m", "specdec.tools.k8s", "models", "/models"]
         if "bundled" in command:
             assert command[command.index("--dtype") + 1] == args["dtype"], group["groupName"]
 
@@ -324,7 +365,8 @@ def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
     assert any("minReplica" in e for e in crd_errors(broken, crd_validators))
     broken = copy.deepcopy(rayservice)
     broken["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0][
-        "securityContext"]["runAsNonroot"] = True
+        "securityContext"
+    ]["runAsNonroot"] = True
     assert crd_errors(broken, crd_validators)
     broken = copy.deepcopy(rayservice)
     broken["spec"]["rayClusterConfig"]["authOptions"]["mode"] = "tokens"
@@ -343,12 +385,14 @@ def test_pool_check_catches_mismatches():
     groups = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     renamed = copy.deepcopy(rayservice)
     renamed["spec"]["serveConfigV2"] = rayservice["spec"]["serveConfigV2"].replace(
-        "target_pool: 1", "target-pool: 1")
+        "target_pool: 1", "target-pool: 1"
+    )
     assert any("target-pool" in p for p in pool_problems(renamed))
     assert any("target_pool, which no deployment" in p for p in pool_problems(renamed))
     twice = copy.deepcopy(rayservice)
-    twice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["rayStartParams"]["resources"] = \
+    twice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["rayStartParams"]["resources"] = (
         '"{\\"draft_pool\\": 1}"'
+    )
     assert any("both" in p for p in pool_problems(twice))
     small = copy.deepcopy(rayservice)
     small["spec"]["rayClusterConfig"]["workerGroupSpecs"][2]["maxReplicas"] = 2
@@ -356,25 +400,31 @@ def test_pool_check_catches_mismatches():
     no_gpu = copy.deepcopy(rayservice)
     limits = groups[1]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1"
-    del no_gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"][
-        "containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    del no_gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][
+        0
+    ]["resources"]["limits"]["nvidia.com/gpu"]
     assert any("GPU" in p for p in pool_problems(no_gpu))
 
 
 def test_renderer_applies_json_patch_ops():
     doc = {"a": {"b": [1, 2]}, "c": 1}
-    apply_json_patch(doc, [{"op": "add", "path": "/a/b/1", "value": 9},
-                           {"op": "replace", "path": "/c", "value": 2},
-                           {"op": "remove", "path": "/a/b/0"},
-                           {"op": "add", "path": "/a/b/-", "value": 3},
-                           {"op": "add", "path": "/d~1e", "value": 4}])
+    apply_json_patch(
+        doc,
+        [
+            {"op": "add", "path": "/a/b/1", "value": 9},
+            {"op": "replace", "path": "/c", "value": 2},
+            {"op": "remove", "path": "/a/b/0"},
+            {"op": "add", "path": "/a/b/-", "value": 3},
+            {"op": "add", "path": "/d~1e", "value": 4},
+        ],
+    )
     assert doc == {"a": {"b": [9, 2, 3]}, "c": 2, "d/e": 4}
     with pytest.raises(KeyError):
         apply_json_patch(doc, [{"op": "replace", "path": "/missing", "value": 0}])
 
 
 def test_prepare_models_links_the_bundled_pair_once(tmp_path, monkeypatch):
-    from specdec import bundled
+    from specdec.pairs import bundled
 
     converted = []
 

@@ -1,4 +1,4 @@
-"""specdec.loadtest without Ray: stage parsing, statistics, and a run against a fake gRPC server."""
+"""specdec.tools.loadtest without Ray: stage parsing, statistics, and a run against a fake gRPC server."""
 
 from __future__ import annotations
 
@@ -9,13 +9,17 @@ import grpc
 import pytest
 
 from specdec.client import build_request
-from specdec.loadtest import LoadTest, Stage, format_summary, parse_stages, percentiles
+from specdec.tools.loadtest import LoadTest, Stage, format_summary, parse_stages, percentiles
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 
 def test_parse_stages_units_and_errors_name_the_flag():
     assert parse_stages("1x30s, 8x1.5m,2x500ms,0x2") == [
-        Stage(1, 30.0), Stage(8, 90.0), Stage(2, 0.5), Stage(0, 2.0)]
+        Stage(1, 30.0),
+        Stage(8, 90.0),
+        Stage(2, 0.5),
+        Stage(0, 2.0),
+    ]
     for bad in ("8", "8x", "x30s", "8x30h", "-1x3s", "8x0s", ""):
         with pytest.raises(ValueError, match="^--stages: "):
             parse_stages(bad)
@@ -47,16 +51,21 @@ async def _run(prompts, stages, **options):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        load = LoadTest([build_request(p) for p in prompts], address=f"127.0.0.1:{port}",
-                        progress=False, **options)
+        load = LoadTest(
+            [build_request(p) for p in prompts],
+            address=f"127.0.0.1:{port}",
+            progress=False,
+            **options,
+        )
         return load, await load.run(stages)
     finally:
         await server.stop(0)
 
 
 def test_run_records_every_second_errors_and_outputs():
-    load, report = asyncio.run(_run(["a", "bad", "b"], parse_stages("2x1.2s,1x1s"),
-                                    keep_outputs=True))
+    load, report = asyncio.run(
+        _run(["a", "bad", "b"], parse_stages("2x1.2s,1x1s"), keep_outputs=True)
+    )
     summary = report["summary"]
     assert summary["started"] == summary["completed"] + summary["error_count"] > 30
     assert summary["errors"] == {"INVALID_ARGUMENT": summary["error_count"]} and summary["cut"] == 0
@@ -81,7 +90,7 @@ def test_bounded_by_max_requests_and_the_drain_cuts_what_is_left():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from specdec.loadtest_plot import plot
+    from specdec.tools.plots import plot
 
     _, report = asyncio.run(_run(["a"], parse_stages("1x1s,2x1s")))
     for row in report["per_second"]:

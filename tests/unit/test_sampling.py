@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from specdec import InvalidRequestError, SamplingParams
-from specdec.sampling import processed_probs, request_generator, sparse_to_dense, truncate_top_n
+from specdec.decoding.sampling import (
+    processed_probs,
+    request_generator,
+    sparse_to_dense,
+    truncate_top_n,
+)
 
 
 def test_temperature_one_is_softmax():
@@ -27,7 +32,9 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     out = processed_probs(probs.log(), 1.0, top_p=0.8)
     assert torch.allclose(out, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
     # The most likely token always survives, however small top_p is.
-    assert torch.allclose(processed_probs(probs.log(), 1.0, top_p=0.01), torch.tensor([1.0, 0, 0, 0]))
+    assert torch.allclose(
+        processed_probs(probs.log(), 1.0, top_p=0.01), torch.tensor([1.0, 0, 0, 0])
+    )
 
 
 def test_truncate_top_n_is_sparse_and_normalised():
@@ -42,16 +49,34 @@ def test_truncate_top_n_is_sparse_and_normalised():
 def test_request_generator_is_keyed_by_seed_stream_and_position():
     draw = lambda *key: torch.rand(4, generator=request_generator(*key)).tolist()
     assert draw(7, "draft", 10) == draw(7, "draft", 10)
-    assert len({tuple(draw(*key)) for key in [(7, "draft", 10), (8, "draft", 10),
-                                             (7, "target", 10), (7, "draft", 11)]}) == 4
+    assert (
+        len(
+            {
+                tuple(draw(*key))
+                for key in [(7, "draft", 10), (8, "draft", 10), (7, "target", 10), (7, "draft", 11)]
+            }
+        )
+        == 4
+    )
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
-    ("top_k", -1), ("max_new_tokens", 0), ("max_new_tokens", -3), ("seed", -1),
-    ("stop", [""]), ("stop_token_ids", [-2]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", -3),
+        ("seed", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [-2]),
+    ],
+)
 def test_invalid_parameters_raise_value_error_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})

@@ -18,9 +18,10 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec import SamplingParams, SpeculativeEngine, speculative
-from specdec.sampling import processed_probs
-from specdec.tiny_models import save_pair
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.decoding import rejection
+from specdec.decoding.sampling import processed_probs
+from specdec.pairs.tiny import save_pair
 
 N = 2000
 PROMPT = "w1 w2 w3"
@@ -30,8 +31,9 @@ END = VOCAB  # extra category: the completion ended (EOS) before this position
 
 @pytest.fixture(scope="module")
 def far_engine(tmp_path_factory):
-    draft, target = save_pair(tmp_path_factory.mktemp("far"), noise=0.8, word_level=True,
-                              vocab_size=VOCAB)
+    draft, target = save_pair(
+        tmp_path_factory.mktemp("far"), noise=0.8, word_level=True, vocab_size=VOCAB
+    )
     torch.set_num_threads(1)  # tiny models: threads only add overhead
     return SpeculativeEngine.from_pretrained(draft, target)
 
@@ -60,12 +62,14 @@ def _exact(engine, params):
     def next_probs(prefixes):
         ids = torch.tensor([prompt + list(p) for p in prefixes])
         logits = engine.target.model(ids).logits[:, -1, :VOCAB]
-        return processed_probs(logits, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0)).double()
+        return processed_probs(
+            logits, params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0)
+        ).double()
 
     p1 = next_probs([()])[0]
-    p2 = next_probs([(t,) for t in range(VOCAB)])                     # [t1, t2]
+    p2 = next_probs([(t,) for t in range(VOCAB)])  # [t1, t2]
     pairs = list(itertools.product(range(VOCAB), repeat=2))
-    p3 = next_probs(pairs).view(VOCAB, VOCAB, VOCAB)                  # [t1, t2, t3]
+    p3 = next_probs(pairs).view(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]
     alive1 = p1.clone()
     alive1[eos] = 0.0
     marginal2 = torch.cat([alive1 @ p2, p1[eos].view(1)])
@@ -88,11 +92,15 @@ def _fit_pvalue(observed, probs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params, ks", [
-    ({"temperature": 1.0}, (1, 2)),
-    ({"temperature": 1.0, "top_k": 5}, (2,)),
-    ({"temperature": 0.8, "top_p": 0.7}, (1,)),
-], ids=["temperature", "top_k", "top_p"])
+@pytest.mark.parametrize(
+    "params, ks",
+    [
+        ({"temperature": 1.0}, (1, 2)),
+        ({"temperature": 1.0, "top_k": 5}, (2,)),
+        ({"temperature": 0.8, "top_p": 0.7}, (1,)),
+    ],
+    ids=["temperature", "top_k", "top_p"],
+)
 def test_speculative_sampling_matches_target_only_sampling(far_engine, params, ks):
     exact = _exact(far_engine, params)
     for k in ks:
@@ -103,8 +111,9 @@ def test_speculative_sampling_matches_target_only_sampling(far_engine, params, k
 
 
 @pytest.mark.slow
-def test_sampling_with_the_draft_confidence_stop_matches_target_only(far_engine,
-                                                                     force_confidence_stop):
+def test_sampling_with_the_draft_confidence_stop_matches_target_only(
+    far_engine, force_confidence_stop
+):
     """Rounds draft up to 2 tokens and stop after the first when q(x1) < 0.05: the draft's
     block length then depends on its own draws, which must leave the output exact."""
     params = {"temperature": 1.0}
@@ -122,6 +131,6 @@ def test_the_test_catches_a_wrong_residual(far_engine, monkeypatch):
     """The same test, run against resampling from p after a rejection, must fail."""
     params = {"temperature": 1.0}
     exact = _exact(far_engine, params)
-    monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
     broken = _sampled(far_engine, 1, params, range(N))
     assert _fit_pvalue(broken[0], exact[0]) < 1e-6

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.stopping import LENGTH, STOP, StopChecker
-from specdec.tiny_models import build_tokenizer
+from specdec.decoding.stopping import LENGTH, STOP, StopChecker
+from specdec.pairs.tiny import build_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -47,7 +47,7 @@ def test_stop_string_spanning_two_tokens_trims_text_and_tokens(tokenizer, block)
     checker = _checker(tokenizer, stop=[stop, "never-seen"])
     streamed = ""
     for i in range(0, len(ids), block):
-        delta = checker.append(ids[i:i + block], [0.0] * len(ids[i:i + block]))
+        delta = checker.append(ids[i : i + block], [0.0] * len(ids[i : i + block]))
         streamed += delta.text
         assert stop not in streamed
         if delta.finish_reason:
@@ -70,7 +70,9 @@ def test_max_new_tokens_trims_a_block(tokenizer):
 def test_streamed_deltas_concatenate_to_the_text(tokenizer):
     ids = tokenizer.encode(TEXT + " Once upon a time")
     checker = _checker(tokenizer, max_new=len(ids), stop=["zzz"])
-    streamed = "".join(checker.append(ids[i:i + 3], [0.0] * 3).text for i in range(0, len(ids), 3))
+    streamed = "".join(
+        checker.append(ids[i : i + 3], [0.0] * 3).text for i in range(0, len(ids), 3)
+    )
     assert checker.finish_reason == LENGTH
     assert streamed == checker.text == tokenizer.decode(ids)
 

@@ -13,7 +13,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specdec.errors import ModelLoadError
 
@@ -56,7 +61,7 @@ class ModelSource:
     gguf_file: str | None = None
 
     @classmethod
-    def parse(cls, spec: str | os.PathLike) -> "ModelSource":
+    def parse(cls, spec: str | os.PathLike) -> ModelSource:
         path = Path(spec).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
@@ -79,17 +84,19 @@ def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load tokenizer {spec!r} from local files "
-                             f"(specdec never downloads): {err}") from err
+        raise ModelLoadError(
+            f"cannot load tokenizer {spec!r} from local files (specdec never downloads): {err}"
+        ) from err
 
 
-def load_model(spec: str | os.PathLike, *, dtype: str = "float32",
-               device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    spec: str | os.PathLike, *, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> LoadedModel:
     """Loads a causal LM and its tokenizer offline, in eval mode.
 
     Args:
         spec: local directory, cached model id, path to a ``.gguf`` file, or ``bundled:draft`` /
-            ``bundled:target`` (the bundled pair, converted on first use: specdec.bundled).
+            ``bundled:target`` (the bundled pair, converted on first use: specdec.pairs.bundled).
         dtype: "float32", "bfloat16", "float16", or "int8" (CPU only: every Linear layer
             dynamically quantized to int8, see _quantize_int8; for draft models).
         device: "cpu", "cuda", "cuda:N".
@@ -105,27 +112,41 @@ def load_model(spec: str | os.PathLike, *, dtype: str = "float32",
     source = ModelSource.parse(spec)
     tokenizer = load_tokenizer(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.location,
-                                                     dtype=DTYPES.get(dtype, torch.float32),
-                                                     **source.kwargs())
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, dtype=DTYPES.get(dtype, torch.float32), **source.kwargs()
+        )
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load model {spec!r} from local files "
-                             f"(specdec never downloads): {err}") from err
+        raise ModelLoadError(
+            f"cannot load model {spec!r} from local files (specdec never downloads): {err}"
+        ) from err
     model.to(device).eval()
     vocab_size = len(tokenizer)
     embedding_rows = model.get_output_embeddings().weight.shape[0]
     if embedding_rows < vocab_size:
-        raise ModelLoadError(f"model {spec!r} has {embedding_rows} output rows but its tokenizer "
-                             f"has {vocab_size} ids")
+        raise ModelLoadError(
+            f"model {spec!r} has {embedding_rows} output rows but its tokenizer "
+            f"has {vocab_size} ids"
+        )
     if dtype == INT8:
         _quantize_int8(model)
-    return LoadedModel(name=str(spec), model=model, tokenizer=tokenizer, vocab_size=vocab_size,
-                       context_limit=_context_limit(model), eos_token_ids=_eos_ids(model, tokenizer))
+    return LoadedModel(
+        name=str(spec),
+        model=model,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        context_limit=_context_limit(model),
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
 
 
-def load_model_pair(draft_spec: str | os.PathLike, target_spec: str | os.PathLike, *,
-                    dtype: str = "float32", device: str | torch.device = "cpu",
-                    draft_dtype: str | None = None) -> tuple[LoadedModel, LoadedModel]:
+def load_model_pair(
+    draft_spec: str | os.PathLike,
+    target_spec: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    draft_dtype: str | None = None,
+) -> tuple[LoadedModel, LoadedModel]:
     """Loads (draft, target) and checks that they share a tokenizer (see check_same_tokenizer).
 
     ``draft_dtype`` (default: ``dtype``) may differ: the draft only steers proposals, so a
@@ -155,7 +176,7 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedToken
 
 
 def _resolve_bundled(spec: str | os.PathLike, dtype: str) -> str | os.PathLike:
-    from specdec import bundled  # only bundled specs need it
+    from specdec.pairs import bundled  # only bundled specs need it
 
     return bundled.resolve(spec, dtype) if str(spec).startswith(bundled.SPEC_PREFIX) else spec
 
@@ -174,12 +195,15 @@ def _quantize_int8(model: PreTrainedModel) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig},
-                         dtype=torch.qint8, inplace=True)
+        quantize_dynamic(
+            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+        )
 
 
 def _context_limit(model: PreTrainedModel) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     limit = getattr(config, "max_position_embeddings", None)
     if not limit:
         raise ModelLoadError(f"{type(model).__name__} does not declare max_position_embeddings")

@@ -10,7 +10,7 @@ by token inside the block, so the result does not depend on how tokens were grou
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -39,8 +39,13 @@ class StopChecker:
         stop: stop strings.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-                 stop_token_ids: Iterable[int], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int,
+        stop_token_ids: Iterable[int],
+        stop: Sequence[str] = (),
+    ) -> None:
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self._stop_ids = frozenset(stop_token_ids)
@@ -80,7 +85,9 @@ class StopChecker:
         elif self.remaining == 0:
             self.finish_reason = LENGTH
         self.text = full_text
-        return Delta(self.token_ids[start:], self.logprobs[start:], self._take_text(), self.finish_reason)
+        return Delta(
+            self.token_ids[start:], self.logprobs[start:], self._take_text(), self.finish_reason
+        )
 
     def _find_stop(self, text: str, block_start: int) -> tuple[str, int] | None:
         """Earliest stop string completed in this block: (text before it, its last token index)."""
@@ -91,8 +98,9 @@ class StopChecker:
         index, stop = min(hits)
         end = index + len(stop)
         # The shortest prefix of the completion whose text contains the whole stop string.
-        last = next(n for n in range(block_start + 1, self._text_tokens + 1)
-                    if len(self._decode(n)) >= end)
+        last = next(
+            n for n in range(block_start + 1, self._text_tokens + 1) if len(self._decode(n)) >= end
+        )
         del self.token_ids[last:]
         del self.logprobs[last:]
         self._text_tokens = last
@@ -108,10 +116,13 @@ class StopChecker:
                 safe -= 1
         if safe <= self._streamed:
             return ""
-        delta = self.text[self._streamed:safe]
+        delta = self.text[self._streamed : safe]
         self._streamed = safe
         return delta
 
     def _decode(self, num_tokens: int) -> str:
-        return self._tokenizer.decode(self.token_ids[:num_tokens], skip_special_tokens=True,
-                                      clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(
+            self.token_ids[:num_tokens],
+            skip_special_tokens=True,
+            clean_up_tokenization_spaces=False,
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,20 +50,41 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError (a ValueError) naming the first invalid field."""
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-               "max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        _check(_is_real(self.temperature) and self.temperature >= 0.0,
-               "temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               "top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
-               "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
-               "seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop", "stop strings must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "stop token ids must be integers >= 0")
+        _check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            "max_new_tokens",
+            f"must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        _check(
+            _is_real(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            f"must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"must be an integer >= 0, got {self.top_k!r}",
+        )
+        _check(
+            _is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
+            "seed",
+            f"must be an integer in [0, 2**64), got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must be non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop token ids must be integers >= 0",
+        )
 
 
 def _is_real(x: object) -> bool:
@@ -75,8 +96,9 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise InvalidRequestError(field, message)
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
-                    top_p: float = 1.0) -> torch.Tensor:
+def processed_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """The sampling distribution after temperature, top-k and top-p.
 
     Args:

@@ -32,9 +32,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 ROW_WISE_ATTENTION = "specdec_row_wise_sdpa"
 
 
-def row_wise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, attention_mask: torch.Tensor | None,
-                       **kwargs) -> tuple[torch.Tensor, None]:
+def row_wise_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Scaled dot-product attention computed one query position at a time when the forward
     extends a cache by a few positions; plain SDPA otherwise (a prefill or a rebuild, whose
     queries start at key 0 and whose single forward is the same whatever k is).
@@ -53,14 +58,22 @@ def row_wise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if q_len == 1 or kv_len == q_len:  # one position, or no cache before the new positions
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
-        raise ValueError(f"row-wise attention runs one sequence at a time, got a batch of "
-                         f"{query.shape[0]}")
+        raise ValueError(
+            f"row-wise attention runs one sequence at a time, got a batch of {query.shape[0]}"
+        )
     kwargs.pop("is_causal", None)
     rows = []
     for j in range(q_len):
         end = kv_len - (q_len - 1 - j)  # keys [0, end) are position j's causal prefix
-        out, _ = sdpa_attention_forward(module, query[:, :, j:j + 1], key[:, :, :end],
-                                        value[:, :, :end], None, is_causal=False, **kwargs)
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, j : j + 1],
+            key[:, :, :end],
+            value[:, :, :end],
+            None,
+            is_causal=False,
+            **kwargs,
+        )
         rows.append(out)
     return torch.cat(rows, dim=1), None
 

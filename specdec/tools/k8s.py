@@ -1,12 +1,12 @@
 """Kubernetes helpers: the RayService's serveConfigV2 from the GPU Serve config, and the model
 files a Ray pod needs.
 
-``python -m specdec.k8s render`` writes the two generated kustomize patches under ``k8s/``:
+``python -m specdec.tools.k8s render`` writes the two generated kustomize patches under ``k8s/``:
 ``deployments/config/gpu.yaml`` verbatim as the base's ``serveConfigV2`` (one source of truth),
 and a CPU variant of it for the ``cpu-demo`` overlay. ``render --check`` fails when they are stale
 (a unit test does the same).
 
-``python -m specdec.k8s models /models --roles draft target`` is the init container of the Ray
+``python -m specdec.tools.k8s models /models --roles draft target`` is the init container of the Ray
 pods: it puts the bundled pair (converted from the ``qwen-coder`` part packages) or a tiny random
 pair at ``/models/draft`` and ``/models/target``, where the Serve config expects them.
 """
@@ -56,24 +56,34 @@ def cpu_demo_config(gpu: dict) -> dict:
 
 def serve_config_patch(op: str, text: str, source: str) -> str:
     """A JSON 6902 patch (kustomize ``patches``) that sets spec.serveConfigV2 to ``text``."""
-    body = "".join(f"    {line}" if line.strip() else "\n" for line in text.splitlines(keepends=True))
-    return (f"# Generated from {source} by `python -m specdec.k8s render`: do not edit.\n"
-            f"- op: {op}\n  path: /spec/serveConfigV2\n  value: |\n{body}")
+    body = "".join(
+        f"    {line}" if line.strip() else "\n" for line in text.splitlines(keepends=True)
+    )
+    return (
+        f"# Generated from {source} by `python -m specdec.tools.k8s render`: do not edit.\n"
+        f"- op: {op}\n  path: /spec/serveConfigV2\n  value: |\n{body}"
+    )
 
 
 def rendered_files(k8s_dir: str | os.PathLike = "k8s") -> dict[Path, str]:
     """{path: content} of every generated file under ``k8s_dir``."""
     root = Path(k8s_dir)
     gpu_text = gpu_config_text()
-    cpu_text = ("# deployments/config/gpu.yaml for CPU pods (specdec.k8s.cpu_demo_config)\n"
-                + yaml.safe_dump(cpu_demo_config(yaml.safe_load(gpu_text)), sort_keys=False))
-    return {root / BASE_PATCH: serve_config_patch("add", gpu_text, "deployments/config/gpu.yaml"),
-            root / CPU_DEMO_PATCH: serve_config_patch("replace", cpu_text,
-                                                      "deployments/config/gpu.yaml (CPU variant)")}
+    cpu_text = (
+        "# deployments/config/gpu.yaml for CPU pods (specdec.tools.k8s.cpu_demo_config)\n"
+        + yaml.safe_dump(cpu_demo_config(yaml.safe_load(gpu_text)), sort_keys=False)
+    )
+    return {
+        root / BASE_PATCH: serve_config_patch("add", gpu_text, "deployments/config/gpu.yaml"),
+        root / CPU_DEMO_PATCH: serve_config_patch(
+            "replace", cpu_text, "deployments/config/gpu.yaml (CPU variant)"
+        ),
+    }
 
 
-def prepare_models(dest: str | os.PathLike, roles: list[str], source: str = "bundled",
-                   dtype: str = "bfloat16") -> list[Path]:
+def prepare_models(
+    dest: str | os.PathLike, roles: list[str], source: str = "bundled", dtype: str = "bfloat16"
+) -> list[Path]:
     """Makes ``dest/<role>`` a model directory for each role; returns those paths.
 
     A role already present is left alone: a shared volume filled by another pod, or your own model
@@ -90,11 +100,11 @@ def prepare_models(dest: str | os.PathLike, roles: list[str], source: str = "bun
         raise ValueError(f"roles must be among {list(MODEL_ROLES)}, got {sorted(unknown)}")
     missing = [role for role in roles if not (root / role).exists()]
     if missing and source == "tiny":
-        from specdec.tiny_models import save_pair
+        from specdec.pairs.tiny import save_pair
 
         save_pair(root, noise=0.05)  # as `specdec tiny-models`
     elif missing and source == "bundled":
-        from specdec import bundled
+        from specdec.pairs import bundled
 
         for role in missing:
             converted = bundled.converted_path(role, dtype, root / ".bundled")
@@ -107,28 +117,38 @@ def prepare_models(dest: str | os.PathLike, roles: list[str], source: str = "bun
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.k8s", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.tools.k8s",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="write the generated files under k8s/")
     render.add_argument("--k8s-dir", default="k8s")
     render.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
-    models = commands.add_parser("models", help="put the model pair where the Serve config expects it")
+    models = commands.add_parser(
+        "models", help="put the model pair where the Serve config expects it"
+    )
     models.add_argument("dest")
     models.add_argument("--roles", nargs="+", default=list(MODEL_ROLES), choices=MODEL_ROLES)
     models.add_argument("--source", choices=["bundled", "tiny"], default="bundled")
-    models.add_argument("--dtype", default="bfloat16", help="bundled conversion dtype (the config's)")
+    models.add_argument(
+        "--dtype", default="bfloat16", help="bundled conversion dtype (the config's)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "models":
         for path in prepare_models(args.dest, args.roles, args.source, args.dtype):
             print(f"{path} -> {path.resolve()}")
         return 0
-    stale = [path for path, text in rendered_files(args.k8s_dir).items()
-             if not path.exists() or path.read_text() != text]
+    stale = [
+        path
+        for path, text in rendered_files(args.k8s_dir).items()
+        if not path.exists() or path.read_text() != text
+    ]
     for path in stale:
         if args.check:
-            print(f"stale: {path} (run: python -m specdec.k8s render)", file=sys.stderr)
+            print(f"stale: {path} (run: python -m specdec.tools.k8s render)", file=sys.stderr)
         else:
             path.write_text(rendered_files(args.k8s_dir)[path])
             print(f"wrote {path}")

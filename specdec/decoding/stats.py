@@ -58,7 +58,7 @@ class SpeculationStats:
         return specdec_pb2.SpeculationStats(**dataclasses.asdict(self))
 
     @classmethod
-    def from_proto(cls, message: specdec_pb2.SpeculationStats) -> "SpeculationStats":
+    def from_proto(cls, message: specdec_pb2.SpeculationStats) -> SpeculationStats:
         values = {f.name: getattr(message, f.name) for f in dataclasses.fields(cls)}
         for name in ("accepted_per_position", "drafted_per_position"):
             values[name] = list(values[name])
@@ -70,8 +70,9 @@ class StatsRecorder:
 
     def __init__(self, k_max: int) -> None:
         self.start = time.perf_counter()
-        self.stats = SpeculationStats(accepted_per_position=[0] * k_max,
-                                      drafted_per_position=[0] * k_max)
+        self.stats = SpeculationStats(
+            accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max
+        )
         self._decode_rounds = 0
         self._k_total = 0
 
@@ -83,8 +84,9 @@ class StatsRecorder:
         self.stats.prefill_verify_time_s = verify_s
         self.stats.ttft_s = time.perf_counter() - self.start
 
-    def round(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
-              overhead_s: float) -> None:
+    def round(
+        self, k: int, num_accepted: int, draft_s: float, verify_s: float, overhead_s: float
+    ) -> None:
         s = self.stats
         s.rounds += 1
         s.draft_tokens += k

@@ -1,6 +1,6 @@
 """`specdec bench`: what speculation buys, measured through the deployed service.
 
-For every prompt of a prompt set (specdec.datasets) it runs, one request at a time:
+For every prompt of a prompt set (specdec.tools.datasets) it runs, one request at a time:
 
 1. ``target_only``: the service with ``k = 0`` (plain decoding on the target deployment);
 2. ``speculative``: the same service with ``--k`` (default adaptive);
@@ -30,12 +30,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from specdec.client import SpecdecClient, build_request
-from specdec.datasets import BenchPrompt
-from specdec.stats import SpeculationStats
+from specdec.decoding.stats import SpeculationStats
+from specdec.tools.datasets import BenchPrompt
 
 TARGET_ONLY, SPECULATIVE, HF_ASSISTED = "target_only", "speculative", "hf_assisted"
 
@@ -68,22 +69,29 @@ class Run:
         return max(self.seconds - self.ttft_s, 1e-9)
 
     def record(self) -> dict[str, Any]:
-        out = {"mode": self.mode, "completion_tokens": len(self.token_ids),
-               "tokens_per_second": self.tokens_per_second, "ttft_s": self.ttft_s,
-               "text": self.text, "token_ids": self.token_ids}
+        out = {
+            "mode": self.mode,
+            "completion_tokens": len(self.token_ids),
+            "tokens_per_second": self.tokens_per_second,
+            "ttft_s": self.ttft_s,
+            "text": self.text,
+            "token_ids": self.token_ids,
+        }
         if self.stats is not None:
             out["stats"] = dataclasses.asdict(self.stats)
         return out
 
 
-def service_run(client: SpecdecClient, prompt: BenchPrompt, mode: str, k: int | None,
-                sampling: dict[str, Any]) -> Run:
+def service_run(
+    client: SpecdecClient, prompt: BenchPrompt, mode: str, k: int | None, sampling: dict[str, Any]
+) -> Run:
     """One unary Generate call; ``k`` None = adaptive. Raises grpc.RpcError."""
     request = build_request(**prompt.request_fields(), num_speculative_tokens=k, **sampling)
     response = client.generate(request)
     stats = SpeculationStats.from_proto(response.stats)
-    return Run(mode, list(response.token_ids), response.text, stats.tokens_per_second,
-               stats.ttft_s, stats)
+    return Run(
+        mode, list(response.token_ids), response.text, stats.tokens_per_second, stats.ttft_s, stats
+    )
 
 
 class HFAssisted:
@@ -95,38 +103,53 @@ class HFAssisted:
     schedule. Prompts are encoded exactly as the router encodes them.
     """
 
-    def __init__(self, draft_model: str, target_model: str, *, draft_dtype: str,
-                 target_dtype: str) -> None:
-        from specdec.models import load_model_pair
+    def __init__(
+        self, draft_model: str, target_model: str, *, draft_dtype: str, target_dtype: str
+    ) -> None:
+        from specdec.models.loading import load_model_pair
 
-        self.draft, self.target = load_model_pair(draft_model, target_model, dtype=target_dtype,
-                                                  draft_dtype=draft_dtype)
+        self.draft, self.target = load_model_pair(
+            draft_model, target_model, dtype=target_dtype, draft_dtype=draft_dtype
+        )
 
     def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
         import torch
 
-        from specdec.request import encode_prompt
+        from specdec.decoding.request import encode_prompt
 
         fields = prompt.request_fields()
         ids = encode_prompt(self.target.tokenizer, fields.get("prompt"), fields.get("messages"))
         temperature = sampling.get("temperature") or 0.0
         kwargs = {"do_sample": temperature > 0}
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=sampling.get("top_p") or 1.0,
-                          top_k=sampling.get("top_k") or 0)
+            kwargs.update(
+                temperature=temperature,
+                top_p=sampling.get("top_p") or 1.0,
+                top_k=sampling.get("top_k") or 0,
+            )
             torch.manual_seed(sampling.get("seed") or 0)
         clock = _FirstTokenClock()
         with torch.inference_mode(), _quiet_transformers():
             out = self.target.model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                assistant_model=self.draft.model, max_new_tokens=max_new_tokens,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                assistant_model=self.draft.model,
+                max_new_tokens=max_new_tokens,
                 eos_token_id=sorted(self.target.eos_token_ids),
-                pad_token_id=self.target.tokenizer.pad_token_id, streamer=clock, **kwargs)
+                pad_token_id=self.target.tokenizer.pad_token_id,
+                streamer=clock,
+                **kwargs,
+            )
         seconds = time.perf_counter() - clock.start
-        token_ids = [int(t) for t in out[0, len(ids):]]  # EOS kept, as the service keeps it
+        token_ids = [int(t) for t in out[0, len(ids) :]]  # EOS kept, as the service keeps it
         text = self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return Run(HF_ASSISTED, token_ids, text, len(token_ids) / seconds,
-                   (clock.first or time.perf_counter()) - clock.start)
+        return Run(
+            HF_ASSISTED,
+            token_ids,
+            text,
+            len(token_ids) / seconds,
+            (clock.first or time.perf_counter()) - clock.start,
+        )
 
 
 @contextlib.contextmanager
@@ -169,8 +192,12 @@ def predicted_speedup(spec: SpeculationStats, base: SpeculationStats) -> float |
     if spec.decode_rounds == 0 or base.decode_rounds == 0:
         return None
     t_target = (base.verify_time_s - base.prefill_verify_time_s) / base.decode_rounds
-    round_s = (spec.draft_time_s - spec.prefill_draft_time_s + spec.verify_time_s
-               - spec.prefill_verify_time_s) / spec.decode_rounds
+    round_s = (
+        spec.draft_time_s
+        - spec.prefill_draft_time_s
+        + spec.verify_time_s
+        - spec.prefill_verify_time_s
+    ) / spec.decode_rounds
     tokens = (spec.accepted_tokens + spec.decode_rounds) / spec.decode_rounds
     return tokens * t_target / round_s if round_s > 0 else None
 
@@ -184,14 +211,22 @@ def sum_stats(stats: Iterable[SpeculationStats]) -> SpeculationStats:
     total = SpeculationStats(rounds=1)
     for s in stats:
         total.rounds += s.decode_rounds
-        for field in ("draft_tokens", "accepted_tokens", "draft_time_s",
-                      "verify_time_s", "overhead_time_s", "prefill_draft_time_s",
-                      "prefill_verify_time_s"):
+        for field in (
+            "draft_tokens",
+            "accepted_tokens",
+            "draft_time_s",
+            "verify_time_s",
+            "overhead_time_s",
+            "prefill_draft_time_s",
+            "prefill_verify_time_s",
+        ):
             setattr(total, field, getattr(total, field) + getattr(s, field))
         for field in ("accepted_per_position", "drafted_per_position"):
             ours, theirs = getattr(total, field), getattr(s, field)
             setattr(total, field, [a + b for a, b in zip(ours, theirs)] if ours else list(theirs))
-    total.acceptance_rate = total.accepted_tokens / total.draft_tokens if total.draft_tokens else 0.0
+    total.acceptance_rate = (
+        total.accepted_tokens / total.draft_tokens if total.draft_tokens else 0.0
+    )
     decode = total.decode_rounds
     total.mean_accepted_tokens = (total.accepted_tokens + decode) / decode if decode else 0.0
     total.mean_k = total.draft_tokens / decode if decode else 0.0
@@ -205,8 +240,11 @@ class PromptResult:
 
     def record(self, greedy: bool) -> dict[str, Any]:
         base = self.runs[TARGET_ONLY]
-        out: dict[str, Any] = {"id": self.prompt.id, "category": self.prompt.category,
-                               "modes": {m: r.record() for m, r in self.runs.items()}}
+        out: dict[str, Any] = {
+            "id": self.prompt.id,
+            "category": self.prompt.category,
+            "modes": {m: r.record() for m, r in self.runs.items()},
+        }
         for mode, run in self.runs.items():
             if mode == TARGET_ONLY:
                 continue
@@ -231,25 +269,36 @@ def summarize(results: Sequence[PromptResult], greedy: bool) -> dict[str, dict[s
     for mode in modes:
         runs = [r.runs[mode] for r in results]
         row: dict[str, Any] = {
-            "prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs),
+            "prompts": len(runs),
+            "tokens": sum(len(r.token_ids) for r in runs),
             "tokens_per_second": _aggregate_tps(runs),
             "ttft_s": statistics.median(r.ttft_s for r in runs),
             "speedup": _aggregate_tps(runs) / base_tps,
             "median_prompt_speedup": statistics.median(
-                r.tokens_per_second / b.tokens_per_second for r, b in zip(runs, base_runs)),
+                r.tokens_per_second / b.tokens_per_second for r, b in zip(runs, base_runs)
+            ),
             "decode_speedup": _decode_tps(runs) / base_decode,
         }
         if greedy and mode != TARGET_ONLY:
-            row["exact_share"] = sum(r.token_ids == b.token_ids
-                                     for r, b in zip(runs, base_runs)) / len(runs)
+            row["exact_share"] = sum(
+                r.token_ids == b.token_ids for r, b in zip(runs, base_runs)
+            ) / len(runs)
         if all(r.stats is not None for r in runs):
             total = sum_stats(r.stats for r in runs)
-            row.update(acceptance_rate=total.acceptance_rate,
-                       tokens_per_round=total.mean_accepted_tokens, mean_k=total.mean_k,
-                       overhead_ms_per_round=(1e3 * total.overhead_time_s / total.decode_rounds
-                                              if total.decode_rounds else 0.0),
-                       acceptance_per_position=[a / d if d else None for a, d in zip(
-                           total.accepted_per_position, total.drafted_per_position)])
+            row.update(
+                acceptance_rate=total.acceptance_rate,
+                tokens_per_round=total.mean_accepted_tokens,
+                mean_k=total.mean_k,
+                overhead_ms_per_round=(
+                    1e3 * total.overhead_time_s / total.decode_rounds
+                    if total.decode_rounds
+                    else 0.0
+                ),
+                acceptance_per_position=[
+                    a / d if d else None
+                    for a, d in zip(total.accepted_per_position, total.drafted_per_position)
+                ],
+            )
             if mode != TARGET_ONLY:
                 bound = predicted_speedup(total, base_stats)
                 row["predicted_speedup"] = bound
@@ -263,18 +312,26 @@ def _aggregate_tps(runs: Sequence[Run]) -> float:
 
 
 def _decode_tps(runs: Sequence[Run]) -> float:
-    return (sum(max(len(r.token_ids) - 1, 0) for r in runs)
-            / max(sum(r.decode_seconds for r in runs), 1e-9))
+    return sum(max(len(r.token_ids) - 1, 0) for r in runs) / max(
+        sum(r.decode_seconds for r in runs), 1e-9
+    )
 
 
 def format_table(summary: dict[str, dict[str, Any]], greedy: bool) -> str:
     """The summary as a fixed-width text table, one row per mode ("-": not measured)."""
-    columns = [("mode", 12, None, "s"), ("tok/s", 7, "tokens_per_second", ".2f"),
-               ("TTFT ms", 8, "ttft_ms", ".0f"), ("speedup", 8, "speedup", ".2fx"),
-               ("accept", 7, "acceptance_rate", ".2f"), ("tok/rnd", 8, "tokens_per_round", ".2f"),
-               ("mean k", 7, "mean_k", ".2f"), ("decode", 7, "decode_speedup", ".2fx"),
-               ("bound", 7, "predicted_speedup", ".2fx"),
-               ("share", 6, "share_of_bound", ".0%"), ("ovh ms", 7, "overhead_ms_per_round", ".1f")]
+    columns = [
+        ("mode", 12, None, "s"),
+        ("tok/s", 7, "tokens_per_second", ".2f"),
+        ("TTFT ms", 8, "ttft_ms", ".0f"),
+        ("speedup", 8, "speedup", ".2fx"),
+        ("accept", 7, "acceptance_rate", ".2f"),
+        ("tok/rnd", 8, "tokens_per_round", ".2f"),
+        ("mean k", 7, "mean_k", ".2f"),
+        ("decode", 7, "decode_speedup", ".2fx"),
+        ("bound", 7, "predicted_speedup", ".2fx"),
+        ("share", 6, "share_of_bound", ".0%"),
+        ("ovh ms", 7, "overhead_ms_per_round", ".1f"),
+    ]
     if greedy:
         columns.append(("exact", 6, "exact_share", ".0%"))
 
@@ -287,13 +344,20 @@ def format_table(summary: dict[str, dict[str, Any]], greedy: bool) -> str:
             text = format(value, spec)
         return text.ljust(width) if spec == "s" else text.rjust(width)
 
-    lines = [" ".join(name.ljust(w) if i == 0 else name.rjust(w)
-                      for i, (name, w, _, _) in enumerate(columns))]
+    lines = [
+        " ".join(
+            name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w, _, _) in enumerate(columns)
+        )
+    ]
     lines.append("-" * len(lines[0]))
     for mode, row in summary.items():
         values = {**row, "ttft_ms": row["ttft_s"] * 1e3}
-        lines.append(" ".join(cell(mode if key is None else values.get(key), width, spec)
-                              for _, width, key, spec in columns))
+        lines.append(
+            " ".join(
+                cell(mode if key is None else values.get(key), width, spec)
+                for _, width, key, spec in columns
+            )
+        )
     return "\n".join(lines)
 
 
@@ -305,16 +369,23 @@ def plot(results: Sequence[PromptResult], summary: dict[str, dict[str, Any]], pa
     import matplotlib.pyplot as plt
 
     modes = [m for m in results[0].runs if m != TARGET_ONLY]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5),
-                                      gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]}
+    )
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        speedups = [r.runs[mode].tokens_per_second / r.runs[TARGET_ONLY].tokens_per_second
-                    for r in results]
+        speedups = [
+            r.runs[mode].tokens_per_second / r.runs[TARGET_ONLY].tokens_per_second for r in results
+        ]
         left.bar([x + i * width for x in range(len(results))], speedups, width, label=mode)
     left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(results))],
-                    [r.prompt.id for r in results], rotation=60, ha="right", fontsize=7)
+    left.set_xticks(
+        [x + width * (len(modes) - 1) / 2 for x in range(len(results))],
+        [r.prompt.id for r in results],
+        rotation=60,
+        ha="right",
+        fontsize=7,
+    )
     left.set_ylabel("speedup over target-only (tokens/s)")
     left.set_title("Speedup per prompt")
     left.legend()
@@ -336,11 +407,14 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            cpu = next(
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     try:
         import os
+
         memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
         cores = os.cpu_count()
     except (ValueError, OSError, AttributeError):
@@ -348,19 +422,36 @@ def machine() -> str:
     return f"{cpu}, {cores} cores{memory}, Python {platform.python_version()}"
 
 
-def write_json(path: str, results: Sequence[PromptResult], summary: dict, config: dict,
-               greedy: bool) -> None:
-    Path(path).write_text(json.dumps({
-        "command": " ".join(sys.argv), "machine": machine(), "config": config,
-        "prompts": [r.record(greedy) for r in results], "summary": summary}, indent=1))
+def write_json(
+    path: str, results: Sequence[PromptResult], summary: dict, config: dict, greedy: bool
+) -> None:
+    Path(path).write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "machine": machine(),
+                "config": config,
+                "prompts": [r.record(greedy) for r in results],
+                "summary": summary,
+            },
+            indent=1,
+        )
+    )
 
 
 # --- the command ------------------------------------------------------------------------------
 
 
-def run_all(client: SpecdecClient, prompts: Sequence[BenchPrompt], *, k: int | None,
-            max_new_tokens: int, temperature: float, seed: int,
-            hf: HFAssisted | None) -> list[PromptResult]:
+def run_all(
+    client: SpecdecClient,
+    prompts: Sequence[BenchPrompt],
+    *,
+    k: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    hf: HFAssisted | None,
+) -> list[PromptResult]:
     """Every prompt in every mode, one request at a time, under a progress bar."""
     from tqdm.auto import tqdm
 
@@ -368,16 +459,20 @@ def run_all(client: SpecdecClient, prompts: Sequence[BenchPrompt], *, k: int | N
     results = []
     with tqdm(total=len(prompts) * len(modes), unit="run", desc="bench") as progress:
         for i, prompt in enumerate(prompts):
-            sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                        "seed": seed + i}
+            sampling = {
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": seed + i,
+            }
             runs = {}
             for mode in modes:
                 progress.set_postfix_str(f"{prompt.id} {mode}")
                 if mode == HF_ASSISTED:
                     runs[mode] = hf.run(prompt, max_new_tokens, sampling)
                 else:
-                    runs[mode] = service_run(client, prompt, mode,
-                                             0 if mode == TARGET_ONLY else k, sampling)
+                    runs[mode] = service_run(
+                        client, prompt, mode, 0 if mode == TARGET_ONLY else k, sampling
+                    )
                 progress.update()
             results.append(PromptResult(prompt, runs))
     return results
@@ -399,22 +494,33 @@ def _load_hf(info, no_hf: bool) -> HFAssisted | None:
     if no_hf:
         return None
     if not (Path(info.draft_model).exists() and Path(info.target_model).exists()):
-        print(f"# HF baseline skipped: the service's model files ({info.draft_model}, "
-              f"{info.target_model}) are not on this machine", file=sys.stderr)
+        print(
+            f"# HF baseline skipped: the service's model files ({info.draft_model}, "
+            f"{info.target_model}) are not on this machine",
+            file=sys.stderr,
+        )
         return None
-    print(f"# loading the HF baseline: target {info.target_dtype}, draft {info.draft_dtype}",
-          file=sys.stderr, flush=True)
-    return HFAssisted(info.draft_model, info.target_model, draft_dtype=info.draft_dtype,
-                      target_dtype=info.target_dtype)
+    print(
+        f"# loading the HF baseline: target {info.target_dtype}, draft {info.draft_dtype}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return HFAssisted(
+        info.draft_model,
+        info.target_model,
+        draft_dtype=info.draft_dtype,
+        target_dtype=info.target_dtype,
+    )
 
 
 def main(args) -> int:
     """`specdec bench` (see specdec.cli for the flags). Returns 1 when a greedy speculative
     output differs from target-only, else 0."""
-    from specdec.datasets import load_prompts
+    from specdec.tools.datasets import load_prompts
 
-    prompts = load_prompts(args.dataset, category=args.category, limit=args.limit,
-                           data_file=args.data_file)
+    prompts = load_prompts(
+        args.dataset, category=args.category, limit=args.limit, data_file=args.data_file
+    )
     _check_outputs(args)
     greedy = not args.temperature
     with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
@@ -426,19 +532,36 @@ def main(args) -> int:
         hf = _load_hf(info, args.no_hf)
         if hf:
             hf.run(prompts[0], 16, warm_up)
-        results = run_all(client, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, hf=hf)
+        results = run_all(
+            client,
+            prompts,
+            k=args.k,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            hf=hf,
+        )
     summary = summarize(results, greedy)
     k_text = "auto" if args.k is None else args.k
-    config = {"dataset": args.dataset, "category": args.category, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "k": k_text, "target_model": info.target_model, "target_dtype": info.target_dtype,
-              "draft_model": info.draft_model, "draft_dtype": info.draft_dtype}
-    print(f"\n# {args.dataset}{'/' + args.category if args.category else ''}: {len(prompts)} "
-          f"prompts, {args.max_new_tokens} new tokens, "
-          f"{'greedy' if greedy else f'temperature {args.temperature}'}, k={k_text}; target "
-          f"{Path(info.target_model).name} ({info.target_dtype}), draft "
-          f"{Path(info.draft_model).name} ({info.draft_dtype})\n# machine: {machine()}")
+    config = {
+        "dataset": args.dataset,
+        "category": args.category,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "k": k_text,
+        "target_model": info.target_model,
+        "target_dtype": info.target_dtype,
+        "draft_model": info.draft_model,
+        "draft_dtype": info.draft_dtype,
+    }
+    print(
+        f"\n# {args.dataset}{'/' + args.category if args.category else ''}: {len(prompts)} "
+        f"prompts, {args.max_new_tokens} new tokens, "
+        f"{'greedy' if greedy else f'temperature {args.temperature}'}, k={k_text}; target "
+        f"{Path(info.target_model).name} ({info.target_dtype}), draft "
+        f"{Path(info.draft_model).name} ({info.draft_dtype})\n# machine: {machine()}"
+    )
     print(format_table(summary, greedy), flush=True)
     if args.json:
         write_json(args.json, results, summary, config, greedy)
@@ -446,6 +569,7 @@ def main(args) -> int:
         plot(results, summary, args.plot)
     inexact = greedy and summary[SPECULATIVE].get("exact_share", 1.0) < 1.0
     if inexact:
-        print("specdec bench: a greedy speculative output differs from target-only",
-              file=sys.stderr)
+        print(
+            "specdec bench: a greedy speculative output differs from target-only", file=sys.stderr
+        )
     return 1 if inexact else 0

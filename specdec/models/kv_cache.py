@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import Cache
@@ -141,9 +141,13 @@ class SessionCacheStore:
 
     def stats(self) -> worker_pb2.CacheStats:
         with self._lock:
-            return worker_pb2.CacheStats(sessions=len(self._entries), bytes=self._bytes,
-                                         capacity_bytes=self.capacity_bytes,
-                                         evictions=self.evictions, rebuilds=self.rebuilds)
+            return worker_pb2.CacheStats(
+                sessions=len(self._entries),
+                bytes=self._bytes,
+                capacity_bytes=self.capacity_bytes,
+                evictions=self.evictions,
+                rebuilds=self.rebuilds,
+            )
 
 
 def cache_nbytes(cache: Cache) -> int:

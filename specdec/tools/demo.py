@@ -53,8 +53,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"== 3/4 streaming through gRPC at {grpc_address}", flush=True)
             for name, prompt in PROMPTS:
                 _stream(client, name, prompt, args.max_new_tokens)
-        print(f"== 4/4 benchmark: {args.limit} HumanEval prompts, {args.max_new_tokens} new "
-              "tokens, greedy", flush=True)
+        print(
+            f"== 4/4 benchmark: {args.limit} HumanEval prompts, {args.max_new_tokens} new "
+            "tokens, greedy",
+            flush=True,
+        )
         return _bench(grpc_address, args)
     finally:
         _disconnect()
@@ -68,8 +71,9 @@ def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) 
     from specdec.cli import _print_summary
 
     print(f"\n--- {name}: {prompt}", flush=True)
-    request = build_request(messages=[{"role": "user", "content": prompt}],
-                            max_new_tokens=max_new_tokens * 2)
+    request = build_request(
+        messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens * 2
+    )
     message = None
     for message in client.generate_stream(request):
         print(message.text, end="", flush=True)
@@ -81,15 +85,26 @@ def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) 
 
 def _bench(grpc_address: str, args: argparse.Namespace) -> int:
     """`specdec bench` on the first args.limit HumanEval prompts, greedy, adaptive k."""
-    from specdec import bench
+    from specdec.tools import bench
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench_args = argparse.Namespace(
-        address=grpc_address, application=DEFAULT_APPLICATION, dataset="humaneval",
-        data_file=None, category=None, limit=args.limit, max_new_tokens=args.max_new_tokens,
-        temperature=0.0, seed=0, k=None, no_hf=False, timeout=900.0,
-        json=str(out / "make-run.json"), plot=str(out / "make-run.png"))
+        address=grpc_address,
+        application=DEFAULT_APPLICATION,
+        dataset="humaneval",
+        data_file=None,
+        category=None,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        seed=0,
+        k=None,
+        no_hf=False,
+        timeout=900.0,
+        json=str(out / "make-run.json"),
+        plot=str(out / "make-run.png"),
+    )
     status = bench.main(bench_args)
     print(f"\nper-prompt records: {bench_args.json}; plot: {bench_args.plot}")
     return status

@@ -6,11 +6,11 @@ import time
 
 import torch
 
-from specdec.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.fixed_shape import use_row_wise_attention
-from specdec.models import LoadedModel
-from specdec.session_model import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
-from specdec.speculative import verify_greedy, verify_sampled
+from specdec.decoding.rejection import verify_greedy, verify_sampled
+from specdec.decoding.sampling import processed_probs, request_generator, sparse_to_dense
+from specdec.models.fixed_shape import use_row_wise_attention
+from specdec.models.loading import LoadedModel
+from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
 from specdec.v1 import worker_pb2
 
 TARGET_STREAM = "target"
@@ -19,8 +19,9 @@ TARGET_STREAM = "target"
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def fixed_width_for(loaded: LoadedModel, max_speculative_tokens: int,
-                    fixed_shape: bool | None = None) -> int | None:
+def fixed_width_for(
+    loaded: LoadedModel, max_speculative_tokens: int, fixed_shape: bool | None = None
+) -> int | None:
     """The verifier's fixed forward width: k_max + 1 positions when ``fixed_shape`` is True, or
     when it is None and the target runs in half precision (see TargetVerifier); else None."""
     if fixed_shape is None:
@@ -35,20 +36,23 @@ class TargetVerifier(SessionModel):
         loaded, cache_capacity_bytes: as SessionModel.
         fixed_width: when set (k_max + 1), every decode forward runs exactly this many positions,
             the real ones first and copies of the last one after them, with row-wise attention,
-            so that a position's logits do not depend on k (specdec.fixed_shape explains why
+            so that a position's logits do not depend on k (specdec.models.fixed_shape explains why
             bfloat16 needs it). Causal attention keeps the padding out of the real positions,
             and the padding's KV is cropped.
     """
 
-    def __init__(self, loaded: LoadedModel,
-                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-                 fixed_width: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
+        fixed_width: int | None = None,
+    ) -> None:
         super().__init__(loaded, cache_capacity_bytes)
         self.fixed_width = None
         self.set_fixed_width(fixed_width)
 
     def set_fixed_width(self, width: int | None) -> None:
-        """Turns the fixed width (and with it row-wise attention: specdec.fixed_shape) on for
+        """Turns the fixed width (and with it row-wise attention: specdec.models.fixed_shape) on for
         ``width`` positions, or off for None."""
         if width and not self.fixed_width:
             use_row_wise_attention(self.loaded.model)
@@ -80,15 +84,19 @@ class TargetVerifier(SessionModel):
             if sampling.temperature == 0:
                 num_accepted, next_token = verify_greedy(draft_ids, logits)
             else:
-                num_accepted, next_token = self._verify_sampled(request, draft_ids, logits,
-                                                                len(active.committed))
+                num_accepted, next_token = self._verify_sampled(
+                    request, draft_ids, logits, len(active.committed)
+                )
             active.entry.crop(len(active.committed) + num_accepted)
         emitted = drafts[:num_accepted] + [next_token]
         logprobs = torch.log_softmax(logits[: num_accepted + 1], dim=-1)
         emitted_logprobs = logprobs[torch.arange(num_accepted + 1), torch.tensor(emitted)]
-        return worker_pb2.VerifyResponse(num_accepted=num_accepted, token_ids=emitted,
-                                         logprobs=emitted_logprobs.tolist(),
-                                         compute_s=time.perf_counter() - start)
+        return worker_pb2.VerifyResponse(
+            num_accepted=num_accepted,
+            token_ids=emitted,
+            logprobs=emitted_logprobs.tolist(),
+            compute_s=time.perf_counter() - start,
+        )
 
     def _forward(self, active, token_ids: list[int], num_logits: int) -> torch.Tensor:
         """feed(), padded to the fixed width in decode rounds (not in a prefill or rebuild,
@@ -99,10 +107,15 @@ class TargetVerifier(SessionModel):
             return self.feed(active, token_ids, num_logits)
         real = len(token_ids)
         logits = self.feed(active, token_ids + [token_ids[-1]] * (width - real), num_logits=width)
-        return logits[real - num_logits: real]
+        return logits[real - num_logits : real]
 
-    def _verify_sampled(self, request: worker_pb2.VerifyRequest, draft_ids: torch.Tensor,
-                        logits: torch.Tensor, position: int) -> tuple[int, int]:
+    def _verify_sampled(
+        self,
+        request: worker_pb2.VerifyRequest,
+        draft_ids: torch.Tensor,
+        logits: torch.Tensor,
+        position: int,
+    ) -> tuple[int, int]:
         sampling = request.sampling
         p = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         k = draft_ids.shape[0]

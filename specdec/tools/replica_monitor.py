@@ -2,7 +2,7 @@
 
 ``serve.status()`` needs a Ray driver connection; a driver in the load generator's own process
 would share its event loop's CPU and GIL with Ray's threads and pull Ray into a command that
-otherwise only speaks gRPC. So a child process (``python -m specdec.replica_monitor``) connects
+otherwise only speaks gRPC. So a child process (``python -m specdec.tools.replica_monitor``) connects
 once, polls every ``interval_s`` seconds and prints one JSON line per sample; the parent reads
 those lines with asyncio, so its event loop never blocks on Ray.
 """
@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 DEFAULT_APPLICATION = "specdec"
 
@@ -32,8 +32,9 @@ class ReplicaMonitor:
     both are empty until the first sample. ``error`` holds the child's last error, if any.
     """
 
-    def __init__(self, ray_address: str, application: str = DEFAULT_APPLICATION,
-                 interval_s: float = 1.0) -> None:
+    def __init__(
+        self, ray_address: str, application: str = DEFAULT_APPLICATION, interval_s: float = 1.0
+    ) -> None:
         self.ray_address = ray_address
         self.application = application
         self.interval_s = interval_s
@@ -56,17 +57,28 @@ class ReplicaMonitor:
                 the child's error when it reported one. The child is stopped again.
         """
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specdec.replica_monitor", "--ray-address", self.ray_address,
-            "--application", self.application, "--interval", str(self.interval_s),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL)
+            sys.executable,
+            "-m",
+            "specdec.tools.replica_monitor",
+            "--ray-address",
+            self.ray_address,
+            "--application",
+            self.application,
+            "--interval",
+            str(self.interval_s),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         self._reader = asyncio.create_task(self._read())
         try:
             await asyncio.wait_for(self._first.wait(), timeout_s)
         except asyncio.TimeoutError:
             await self.close()
-            raise RuntimeError(f"no replica counts from Ray at {self.ray_address} within "
-                               f"{timeout_s:.0f} s: {self.error or 'no answer'}") from None
+            raise RuntimeError(
+                f"no replica counts from Ray at {self.ray_address} within "
+                f"{timeout_s:.0f} s: {self.error or 'no answer'}"
+            ) from None
         if not self.states and self.error:
             await self.close()
             raise RuntimeError(f"replica counts unavailable: {self.error}")
@@ -111,9 +123,12 @@ def replica_states(application: str) -> dict[str, dict[str, int]]:
     app = serve.status().applications.get(application)
     if app is None:
         return {}
-    return {name: {str(getattr(state, "value", state)): count
-                   for state, count in d.replica_states.items()}
-            for name, d in app.deployments.items()}
+    return {
+        name: {
+            str(getattr(state, "value", state)): count for state, count in d.replica_states.items()
+        }
+        for name, d in app.deployments.items()
+    }
 
 
 def _poll(ray_address: str, application: str, interval_s: float) -> None:
@@ -126,8 +141,9 @@ def _poll(ray_address: str, application: str, interval_s: float) -> None:
     try:
         import ray
 
-        ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False,
-                 configure_logging=False)
+        ray.init(
+            address=ray_address, logging_level="ERROR", log_to_driver=False, configure_logging=False
+        )
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
         emit({"error": f"ray.init({ray_address!r}) failed: {type(err).__name__}: {err}"})
         return

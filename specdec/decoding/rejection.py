@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import sample
+from specdec.decoding.sampling import sample
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -34,8 +34,9 @@ def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
     return num_accepted, int(target_ids[num_accepted])
 
 
-def verify_sampled(draft_ids: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                   generator: torch.Generator) -> tuple[int, int]:
+def verify_sampled(
+    draft_ids: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
     """Speculative sampling by rejection (Leviathan et al. 2023, algorithm 1).
 
     Args:

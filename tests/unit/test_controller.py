@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.adaptive import PROBE_EVERY, AcceptanceEstimator, CostModel, KController, expected_tokens
+from specdec.decoding.controller import (
+    PROBE_EVERY,
+    AcceptanceEstimator,
+    CostModel,
+    KController,
+    expected_tokens,
+)
 
 
-@pytest.mark.parametrize("a, k, expected", [(0.0, 5, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.8, 0, 1.0)])
+@pytest.mark.parametrize(
+    "a, k, expected", [(0.0, 5, 1.0), (1.0, 4, 5.0), (0.5, 2, 1.75), (0.8, 0, 1.0)]
+)
 def test_expected_tokens_per_round(a, k, expected):
     assert expected_tokens(a, k) == pytest.approx(expected)
 
@@ -79,14 +87,18 @@ def _dynamic(verify_s):
     return KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
 
 
-@pytest.mark.parametrize("verify_s, floor", [
-    # Flat verify: round cost 0.301 + 0.05 k; the best fixed k is 4 (E = 3.3616 tokens in
-    # 0.501 s, 6.7098 tokens/s), so one more draft step pays while P > 0.05 x 6.7098.
-    (lambda k: 0.3, 0.05 * 3.3616 / 0.501),
-    # Verify growing 20 ms per token: round cost 0.301 + 0.07 k, best k 4 again (3.3616 tokens
-    # in 0.581 s); each further token also adds 20 ms of verify.
-    (lambda k: 0.3 + 0.02 * k, 0.07 * 3.3616 / 0.581),
-], ids=["flat-verify", "growing-verify"])
+@pytest.mark.parametrize(
+    "verify_s, floor",
+    [
+        # Flat verify: round cost 0.301 + 0.05 k; the best fixed k is 4 (E = 3.3616 tokens in
+        # 0.501 s, 6.7098 tokens/s), so one more draft step pays while P > 0.05 x 6.7098.
+        (lambda k: 0.3, 0.05 * 3.3616 / 0.501),
+        # Verify growing 20 ms per token: round cost 0.301 + 0.07 k, best k 4 again (3.3616 tokens
+        # in 0.581 s); each further token also adds 20 ms of verify.
+        (lambda k: 0.3 + 0.02 * k, 0.07 * 3.3616 / 0.581),
+    ],
+    ids=["flat-verify", "growing-verify"],
+)
 def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor(verify_s, floor):
     controller = _dynamic(verify_s)
     assert controller.choose(limit=100) == (8, pytest.approx(floor, rel=1e-3))

@@ -1,6 +1,6 @@
 """The load test's figure: load, latency and replicas per deployment over time.
 
-Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.loadtest_plot IN.json
+Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.tools.plots IN.json
 OUT.png`` redraws a saved report.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 
 def plot(report: Mapping, path: str) -> None:
@@ -27,14 +27,20 @@ def plot(report: Mapping, path: str) -> None:
 
     rows = report["per_second"]
     t = [r["t"] + 1 for r in rows]  # a record covers [t, t+1): draw it at its end
-    fig, (load, latency, replicas) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5),
-                                                  height_ratios=(1, 1.2, 1))
+    fig, (load, latency, replicas) = plt.subplots(
+        3, 1, sharex=True, figsize=(10, 8.5), height_ratios=(1, 1.2, 1)
+    )
     load.step(t, [r["concurrency"] for r in rows], where="pre", color="C0", label="concurrency")
     load.set_ylabel("concurrent clients")
     rate = load.twinx()
     # Per-second counts of multi-second requests jump between 0 and 2x the rate: smooth them.
-    rate.plot(t, _rolling_mean([r["completed"] for r in rows], 5), color="C1", lw=1,
-              label="completed req/s (5 s mean)")
+    rate.plot(
+        t,
+        _rolling_mean([r["completed"] for r in rows], 5),
+        color="C1",
+        lw=1,
+        label="completed req/s (5 s mean)",
+    )
     errors = [(x, sum(r["errors"].values())) for x, r in zip(t, rows) if r["errors"]]
     if errors:
         rate.plot(*zip(*errors), "rx", label="errors/s")
@@ -42,12 +48,20 @@ def plot(report: Mapping, path: str) -> None:
     rate.set_ylabel("requests / s")
     _legend(load, rate)
 
-    for key, q, style in (("latency_s", "p50", "C0-"), ("latency_s", "p95", "C3-"),
-                          ("ttft_s", "p50", "C2--"), ("ttft_s", "p95", "C2:")):
+    for key, q, style in (
+        ("latency_s", "p50", "C0-"),
+        ("latency_s", "p95", "C3-"),
+        ("ttft_s", "p50", "C2--"),
+        ("ttft_s", "p95", "C2:"),
+    ):
         points = [(x, r[key][q]) for x, r in zip(t, rows) if r[key][q]]
         if points:
-            latency.plot(*zip(*points), style, lw=1,
-                         label=f"{'latency' if key == 'latency_s' else 'TTFT'} {q}")
+            latency.plot(
+                *zip(*points),
+                style,
+                lw=1,
+                label=f"{'latency' if key == 'latency_s' else 'TTFT'} {q}",
+            )
     latency.set_yscale("log")
     latency.set_ylabel("seconds")
     latency.legend(loc="upper left", fontsize="small")
@@ -63,22 +77,32 @@ def plot(report: Mapping, path: str) -> None:
         replicas.set_yticks(range(0, top + 1))
         replicas.legend(loc="upper left", fontsize="small")
     else:
-        replicas.text(0.5, 0.5, "replica counts not recorded", ha="center",
-                      transform=replicas.transAxes)
+        replicas.text(
+            0.5, 0.5, "replica counts not recorded", ha="center", transform=replicas.transAxes
+        )
     replicas.set_ylabel("RUNNING replicas")
     replicas.set_xlabel("time since start (s)")
 
     for stage in report["stages"]:
         for ax in (load, latency, replicas):
             ax.axvline(stage["start_s"], color="grey", ls="--", lw=0.8)
-        load.annotate(f"{stage['concurrency']}x", (stage["start_s"], 1.0), xytext=(3, 2),
-                      xycoords=("data", "axes fraction"), textcoords="offset points",
-                      fontsize="small", color="grey", va="bottom")
+        load.annotate(
+            f"{stage['concurrency']}x",
+            (stage["start_s"], 1.0),
+            xytext=(3, 2),
+            xycoords=("data", "axes fraction"),
+            textcoords="offset points",
+            fontsize="small",
+            color="grey",
+            va="bottom",
+        )
     summary = report["summary"]
     p95 = summary["latency_s"]["p95"]
-    fig.suptitle(f"specdec loadtest: {summary['completed']} requests, "
-                 f"{summary['error_count']} errors, latency p95 "
-                 f"{'-' if p95 is None else f'{p95:.2f} s'}")
+    fig.suptitle(
+        f"specdec loadtest: {summary['completed']} requests, "
+        f"{summary['error_count']} errors, latency p95 "
+        f"{'-' if p95 is None else f'{p95:.2f} s'}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -87,8 +111,10 @@ def plot(report: Mapping, path: str) -> None:
 def _rolling_mean(values: list[float], width: int) -> list[float]:
     """Centered mean over ``width`` points (fewer at the ends)."""
     half = width // 2
-    return [sum(values[max(0, i - half):i + half + 1]) / len(values[max(0, i - half):i + half + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
+        for i in range(len(values))
+    ]
 
 
 def _legend(*axes) -> None:
@@ -102,6 +128,6 @@ def _legend(*axes) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m specdec.loadtest_plot REPORT.json OUT.png")
+        sys.exit("usage: python -m specdec.tools.plots REPORT.json OUT.png")
     with open(sys.argv[1]) as report_file:
         plot(json.load(report_file), sys.argv[2])

@@ -18,11 +18,11 @@ import dataclasses
 import threading
 from typing import NamedTuple
 
-EMA_WEIGHT = 0.2           # weight of a new cost sample
-ACCEPTANCE_DECAY = 0.9     # per-round forgetting of the acceptance counts
-PRIOR_ACCEPTED = 1.5       # pseudo-counts: an acceptance rate of 0.6 before any round
+EMA_WEIGHT = 0.2  # weight of a new cost sample
+ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
+PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
 PRIOR_REJECTED = 1.0
-PROBE_EVERY = 16           # rounds at k = 0 before drafting once to re-measure acceptance
+PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -169,8 +169,9 @@ class KController:
             verify_s = max(added, 0.0) / (cap - best)
         return RoundPlan(cap, min((draft_s + verify_s) * tokens_per_s(best), 1.0))
 
-    def observe(self, k: int, num_accepted: int, draft_s: float, verify_s: float,
-                overhead_s: float) -> None:
+    def observe(
+        self, k: int, num_accepted: int, draft_s: float, verify_s: float, overhead_s: float
+    ) -> None:
         """Records a round that drafted k tokens (after any confidence stop)."""
         self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
         self.acceptance.observe(k, num_accepted)

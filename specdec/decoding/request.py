@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.decoding.sampling import SamplingParams
 from specdec.errors import InvalidRequestError
-from specdec.sampling import SamplingParams
 
 AUTO = "auto"
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -45,8 +46,11 @@ class PreparedRequest:
     stop_token_ids: frozenset[int]
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[int] | None = None,
-                  messages: Sequence[dict[str, Any]] | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | Sequence[int] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of a text prompt, a list of ids, or chat messages (rendered with the chat
     template, generation prompt appended). Exactly one of ``prompt`` and ``messages`` is set.
 
@@ -66,22 +70,32 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[int
     return [int(t) for t in prompt]
 
 
-def _encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]]) -> list[int]:
+def _encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]]
+) -> list[int]:
     for i, message in enumerate(messages):
         if message.get("role") not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role",
-                                      f"must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}")
+            raise InvalidRequestError(
+                f"messages[{i}].role",
+                f"must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}",
+            )
         if not isinstance(message.get("content"), str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string")
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("messages", "the target tokenizer has no chat template; send a prompt")
+        raise InvalidRequestError(
+            "messages", "the target tokenizer has no chat template; send a prompt"
+        )
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prepare_request(prompt_ids: list[int], params: SamplingParams, limits: ModelLimits,
-                    num_speculative_tokens: int | str | None = AUTO,
-                    session_id: str | None = None) -> PreparedRequest:
+def prepare_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    limits: ModelLimits,
+    num_speculative_tokens: int | str | None = AUTO,
+    session_id: str | None = None,
+) -> PreparedRequest:
     """Validates a tokenized request against the model pair's limits.
 
     Raises:
@@ -94,11 +108,16 @@ def prepare_request(prompt_ids: list[int], params: SamplingParams, limits: Model
     if any(not 0 <= t < limits.vocab_size for t in prompt_ids):
         raise InvalidRequestError("prompt", f"token ids must be in [0, {limits.vocab_size})")
     if n >= limits.context_limit:
-        raise InvalidRequestError("prompt", f"has {n} tokens; the context limit is "
-                                            f"{limits.context_limit}, leaving no room to generate")
+        raise InvalidRequestError(
+            "prompt",
+            f"has {n} tokens; the context limit is "
+            f"{limits.context_limit}, leaving no room to generate",
+        )
     if params.max_new_tokens > limits.context_limit:
-        raise InvalidRequestError("max_new_tokens", f"{params.max_new_tokens} exceeds the context "
-                                                    f"limit of {limits.context_limit} tokens")
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"{params.max_new_tokens} exceeds the context limit of {limits.context_limit} tokens",
+        )
     return PreparedRequest(
         session_id=session_id or uuid.uuid4().hex,
         prompt_ids=list(prompt_ids),
@@ -114,6 +133,7 @@ def _parse_k(value: int | str | None, k_max: int) -> int | None:
     if value is None or value == AUTO:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= k_max:
-        raise InvalidRequestError("num_speculative_tokens",
-                                  f"must be 'auto' or an integer in [0, {k_max}], got {value!r}")
+        raise InvalidRequestError(
+            "num_speculative_tokens", f"must be 'auto' or an integer in [0, {k_max}], got {value!r}"
+        )
     return value

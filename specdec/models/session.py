@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
 
-from specdec.kv_cache import ActiveSession, SessionCacheStore
-from specdec.models import LoadedModel
+from specdec.models.kv_cache import ActiveSession, SessionCacheStore
+from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
 
 DEFAULT_CACHE_CAPACITY_BYTES = 2 * 1024**3
@@ -23,11 +23,13 @@ class SessionModel:
         cache_capacity_bytes: bound of the session LRU, in bytes of key and value tensors.
     """
 
-    def __init__(self, loaded: LoadedModel,
-                 cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES) -> None:
+    def __init__(
+        self, loaded: LoadedModel, cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES
+    ) -> None:
         self.loaded = loaded
-        self.sessions = SessionCacheStore(cache_capacity_bytes,
-                                          lambda: DynamicCache(config=loaded.model.config))
+        self.sessions = SessionCacheStore(
+            cache_capacity_bytes, lambda: DynamicCache(config=loaded.model.config)
+        )
 
     @contextlib.contextmanager
     def session(self, tokens: worker_pb2.SessionTokens) -> Iterator[ActiveSession | None]:
@@ -60,8 +62,9 @@ class SessionModel:
         """
         model = self.loaded.model
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-        output = model(input_ids=input_ids, cache=active.entry.cache, use_cache=True,
-                       logits_to_keep=num_logits)
+        output = model(
+            input_ids=input_ids, cache=active.entry.cache, use_cache=True, logits_to_keep=num_logits
+        )
         active.entry.cached_ids.extend(token_ids)
         return output.logits[0, -num_logits:, : self.loaded.vocab_size].cpu()
 

@@ -12,14 +12,15 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from specdec.adaptive import CostModel, KController
-from specdec.request import PreparedRequest
-from specdec.stats import SpeculationStats, StatsRecorder
-from specdec.stopping import Delta, StopChecker
+from specdec.decoding.controller import CostModel, KController
+from specdec.decoding.request import PreparedRequest
+from specdec.decoding.stats import SpeculationStats, StatsRecorder
+from specdec.decoding.stopping import Delta, StopChecker
 from specdec.v1 import worker_pb2
 
 
@@ -42,7 +43,7 @@ class LoopConfig:
     token: right when both share a CPU's cores, where running both at once slows the target's
     prefill (the time to first token) as much as it saves. dynamic_draft_length: adaptive
     rounds (k "auto") draft up to k_max tokens and stop where the draft's confidence says one
-    more token no longer pays (specdec.adaptive.KController); a fixed k drafts exactly k."""
+    more token no longer pays (specdec.decoding.controller.KController); a fixed k drafts exactly k."""
 
     k_max: int
     draft_top_n: int = 64
@@ -77,19 +78,33 @@ class RoundLoop:
         config: k_max and the draft's q truncation.
     """
 
-    def __init__(self, transport: Transport, tokenizer: PreTrainedTokenizerBase,
-                 request: PreparedRequest, costs: CostModel, config: LoopConfig) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        tokenizer: PreTrainedTokenizerBase,
+        request: PreparedRequest,
+        costs: CostModel,
+        config: LoopConfig,
+    ) -> None:
         self._transport = transport
         self._request = request
         self._config = config
         params = request.params
-        self._sampling = worker_pb2.SamplingConfig(temperature=params.temperature,
-                                                   top_k=params.top_k, top_p=params.top_p,
-                                                   seed=request.seed)
-        self._checker = StopChecker(tokenizer, request.max_new_tokens, request.stop_token_ids,
-                                    params.stop)
-        self._controller = KController(costs, config.k_max, fixed_k=request.num_speculative_tokens,
-                                       dynamic_length=config.dynamic_draft_length)
+        self._sampling = worker_pb2.SamplingConfig(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=request.seed,
+        )
+        self._checker = StopChecker(
+            tokenizer, request.max_new_tokens, request.stop_token_ids, params.stop
+        )
+        self._controller = KController(
+            costs,
+            config.k_max,
+            fixed_k=request.num_speculative_tokens,
+            dynamic_length=config.dynamic_draft_length,
+        )
         self._recorder = StatsRecorder(config.k_max)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
@@ -131,10 +146,12 @@ class RoundLoop:
         verified = await self._verify(drafts, q)
         overhead_s = time.perf_counter() - start - draft_s - verified.compute_s
         drafted = len(drafts)
-        self._controller.observe(drafted, verified.num_accepted, draft_s, verified.compute_s,
-                                 overhead_s)
-        self._recorder.round(drafted, verified.num_accepted, draft_s, verified.compute_s,
-                             overhead_s)
+        self._controller.observe(
+            drafted, verified.num_accepted, draft_s, verified.compute_s, overhead_s
+        )
+        self._recorder.round(
+            drafted, verified.num_accepted, draft_s, verified.compute_s, overhead_s
+        )
         return self._commit(verified)
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
@@ -143,13 +160,17 @@ class RoundLoop:
         return delta
 
     async def _propose(self, k: int, min_confidence: float = 0.0) -> worker_pb2.ProposeResponse:
-        request = worker_pb2.ProposeRequest(num_speculative_tokens=k, sampling=self._sampling,
-                                            draft_top_n=self._config.draft_top_n,
-                                            min_draft_confidence=min_confidence)
+        request = worker_pb2.ProposeRequest(
+            num_speculative_tokens=k,
+            sampling=self._sampling,
+            draft_top_n=self._config.draft_top_n,
+            min_draft_confidence=min_confidence,
+        )
         return await self._call("draft", self._transport.propose, request)
 
-    async def _verify(self, drafts: list[int],
-                      q: worker_pb2.SparseDistribution | None) -> worker_pb2.VerifyResponse:
+    async def _verify(
+        self, drafts: list[int], q: worker_pb2.SparseDistribution | None
+    ) -> worker_pb2.VerifyResponse:
         request = worker_pb2.VerifyRequest(draft_token_ids=drafts, sampling=self._sampling)
         if q is not None:
             request.q.CopyFrom(q)
@@ -165,20 +186,29 @@ class RoundLoop:
             self._set_session(request, 0)
             response = await method(request)
         if response.cache_miss:
-            raise RuntimeError(f"{side} replica refused a full-sequence call for session "
-                               f"{self._request.session_id}")
+            raise RuntimeError(
+                f"{side} replica refused a full-sequence call for session "
+                f"{self._request.session_id}"
+            )
         self._known[side] = len(self._ids)
         return response
 
     def _set_session(self, request, prefix_len: int) -> None:
-        request.session.CopyFrom(worker_pb2.SessionTokens(
-            session_id=self._request.session_id, prefix_len=prefix_len,
-            new_token_ids=self._ids[prefix_len:]))
+        request.session.CopyFrom(
+            worker_pb2.SessionTokens(
+                session_id=self._request.session_id,
+                prefix_len=prefix_len,
+                new_token_ids=self._ids[prefix_len:],
+            )
+        )
 
     def _finish(self) -> None:
         checker = self._checker
         self.completion = Completion(
-            token_ids=list(checker.token_ids), text=checker.text,
-            finish_reason=checker.finish_reason, logprobs=list(checker.logprobs),
+            token_ids=list(checker.token_ids),
+            text=checker.text,
+            finish_reason=checker.finish_reason,
+            logprobs=list(checker.logprobs),
             prompt_tokens=len(self._request.prompt_ids),
-            stats=self._recorder.finish(len(checker.token_ids)))
+            stats=self._recorder.finish(len(checker.token_ids)),
+        )

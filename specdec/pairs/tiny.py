@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog.",
@@ -40,8 +41,11 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
@@ -59,15 +63,32 @@ def build_word_tokenizer(vocab_size: int = 32) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, *, seed: int, layers: int = 2, hidden: int = 32,
-                context_limit: int = 256, pad_vocab: int = 0, init_std: float = 0.15) -> LlamaForCausalLM:
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 32,
+    context_limit: int = 256,
+    pad_vocab: int = 0,
+    init_std: float = 0.15,
+) -> LlamaForCausalLM:
     """A random Llama. ``pad_vocab`` extra embedding rows mimic Qwen's padded vocabulary."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer) + pad_vocab, hidden_size=hidden,
-                         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=context_limit,
-                         initializer_range=init_std, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + pad_vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context_limit,
+        initializer_range=init_std,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -79,12 +100,22 @@ def perturbed_copy(model: LlamaForCausalLM, *, seed: int, noise: float) -> Llama
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in copy.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * noise * param.std().clamp(min=1e-3))
+            param.add_(
+                torch.randn(param.shape, generator=generator) * noise * param.std().clamp(min=1e-3)
+            )
     return copy
 
 
-def save_pair(root: Path, *, noise: float = 0.3, context_limit: int = 256, pad_vocab: int = 0,
-              seed: int = 0, vocab_size: int = 320, word_level: bool = False) -> tuple[Path, Path]:
+def save_pair(
+    root: Path,
+    *,
+    noise: float = 0.3,
+    context_limit: int = 256,
+    pad_vocab: int = 0,
+    seed: int = 0,
+    vocab_size: int = 320,
+    word_level: bool = False,
+) -> tuple[Path, Path]:
     """Writes (draft_dir, target_dir) as Hugging Face directories and returns them."""
     tokenizer = build_word_tokenizer(vocab_size) if word_level else build_tokenizer(vocab_size)
     target = build_model(tokenizer, seed=seed, context_limit=context_limit, pad_vocab=pad_vocab)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec import speculative
-from specdec.speculative import residual_distribution, verify_greedy, verify_sampled
+from specdec.decoding import rejection
+from specdec.decoding.rejection import residual_distribution, verify_greedy, verify_sampled
 
 V = 6
 
@@ -19,14 +19,20 @@ def _logits_with_argmax(ids):
     return logits
 
 
-@pytest.mark.parametrize("draft, target, expected", [
-    ([1, 2, 3], [1, 2, 3, 4], (3, 4)),   # all accepted: bonus token
-    ([1, 2, 3], [1, 5, 3, 4], (1, 5)),   # mismatch at position 1: target's token there
-    ([1, 2, 3], [0, 2, 3, 4], (0, 0)),   # first rejected
-    ([], [2], (0, 2)),                   # k = 0: a plain decode step
-])
+@pytest.mark.parametrize(
+    "draft, target, expected",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], (3, 4)),  # all accepted: bonus token
+        ([1, 2, 3], [1, 5, 3, 4], (1, 5)),  # mismatch at position 1: target's token there
+        ([1, 2, 3], [0, 2, 3, 4], (0, 0)),  # first rejected
+        ([], [2], (0, 2)),  # k = 0: a plain decode step
+    ],
+)
 def test_greedy_accepts_while_draft_equals_target_argmax(draft, target, expected):
-    assert verify_greedy(torch.tensor(draft, dtype=torch.long), _logits_with_argmax(target)) == expected
+    assert (
+        verify_greedy(torch.tensor(draft, dtype=torch.long), _logits_with_argmax(target))
+        == expected
+    )
 
 
 def _random_dist(generator, rows):
@@ -76,7 +82,10 @@ def test_a_token_the_target_excludes_is_always_rejected():
     p = torch.tensor([[0.0, 0.0, 1.0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
     q = torch.tensor([[0.0, 1.0, 0, 0, 0, 0]])
     for seed in range(20):
-        assert verify_sampled(torch.tensor([1]), q, p, torch.Generator().manual_seed(seed)) == (0, 2)
+        assert verify_sampled(torch.tensor([1]), q, p, torch.Generator().manual_seed(seed)) == (
+            0,
+            2,
+        )
 
 
 def _expected(probs, n):

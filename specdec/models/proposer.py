@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from specdec.sampling import processed_probs, request_generator, sample, truncate_top_n
-from specdec.kv_cache import ActiveSession
-from specdec.session_model import SessionModel
+from specdec.decoding.sampling import processed_probs, request_generator, sample, truncate_top_n
+from specdec.models.kv_cache import ActiveSession
+from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
 
 DRAFT_STREAM = "draft"
@@ -52,9 +52,9 @@ class DraftProposer(SessionModel):
         response.compute_s = time.perf_counter() - start
         return response
 
-    def _draft(self, active: ActiveSession, logits: torch.Tensor,
-               request: worker_pb2.ProposeRequest
-               ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    def _draft(
+        self, active: ActiveSession, logits: torch.Tensor, request: worker_pb2.ProposeRequest
+    ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
         """Drafts from ``logits`` ([vocab]) on; returns the tokens and, when sampling, each
         token's sparse q row (ids [N], probs [N])."""
         sampling, k = request.sampling, request.num_speculative_tokens
@@ -70,8 +70,9 @@ class DraftProposer(SessionModel):
                 if floor > 0:
                     confidence *= _softmax_at(logits, token)
             else:
-                probs = processed_probs(logits, sampling.temperature, sampling.top_k,
-                                        sampling.top_p)
+                probs = processed_probs(
+                    logits, sampling.temperature, sampling.top_k, sampling.top_p
+                )
                 ids, values = truncate_top_n(probs[None], request.draft_top_n)
                 j = sample(values[0], generator)
                 token = int(ids[0, j])
@@ -90,8 +91,9 @@ def _softmax_at(logits: torch.Tensor, index: int) -> float:
     return float(torch.exp(logits[index] - torch.logsumexp(logits, dim=0)))
 
 
-def _fill_sparse(message: worker_pb2.SparseDistribution, ids: torch.Tensor,
-                 probs: torch.Tensor) -> None:
+def _fill_sparse(
+    message: worker_pb2.SparseDistribution, ids: torch.Tensor, probs: torch.Tensor
+) -> None:
     """Writes [rows, N] sparse rows into a SparseDistribution message."""
     message.width = ids.shape[1]
     message.token_ids.extend(ids.flatten().tolist())

