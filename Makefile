@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-unit protos run clean
+.PHONY: install lint test test-unit protos run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ install: $(STAMP)
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/specdec/v1/*.proto
 
-test: install
+# ruff (pinned in the `test` extra; rules in pyproject.toml): lint, then check the formatting.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-unit: install

@@ -18,6 +18,8 @@ from ray.serve._private import api as serve_api
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
+from specdec.config import SIDES, SpecdecConfig
+
 APPLICATION = "specdec"
 
 
@@ -34,27 +36,41 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Se
     return ServeDeploySchema.model_validate(raw)
 
 
+def app_config(config: ServeDeploySchema) -> SpecdecConfig | None:
+    """The specdec application's args, parsed as build_app parses them (None: no application
+    named "specdec").
+
+    Raises:
+        specdec.errors.ConfigError: a missing, unknown or invalid setting (named first).
+    """
+    for app in config.applications:
+        if app.name == APPLICATION:
+            return SpecdecConfig.from_args(app.args)
+    return None
+
+
 def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``overrides`` plus the converted directories of any ``bundled:`` model in the config.
+    """``overrides`` plus the converted directories of any ``bundled:`` model in the config,
+    converted in the dtype that side's replicas load (specdec.config.ModelConfig.for_side).
 
     Converting the bundled pair takes minutes the first time; doing it here, in the process
     that deploys (with progress bars), keeps replicas from converting concurrently in their
     constructors. Only for clusters on this machine: the directories are local paths.
 
     Raises:
+        specdec.errors.ConfigError: the application's args are invalid (see app_config);
         specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
     """
     from specdec.pairs import bundled
 
     overrides = dict(overrides or {})
-    args = next(
-        app.args for app in load_config(path, overrides).applications if app.name == APPLICATION
-    )
-    for key, dtype_key in (("draft_model", "draft_dtype"), ("target_model", "dtype")):
-        spec = str(args.get(key, ""))
+    config = app_config(load_config(path, overrides))
+    if config is None:
+        return overrides
+    for side in SIDES:
+        spec, dtype = config.models.for_side(side)
         if spec.startswith(bundled.SPEC_PREFIX):
-            dtype = args.get(dtype_key) or args.get("dtype", "bfloat16")
-            overrides[key] = bundled.resolve(spec, dtype)
+            overrides[f"{side}_model"] = bundled.resolve(spec, dtype)
     return overrides
 
 
@@ -67,10 +83,13 @@ def deploy(
     """Deploys the config to the cluster at ``address`` and waits until it is RUNNING.
 
     Raises:
+        specdec.errors.ConfigError: the specdec application's args are invalid, refused here
+            before anything is deployed (see app_config).
         RuntimeError: an application failed to deploy (with Serve's message) or was not RUNNING
             within timeout_s seconds; or this process is already connected to another cluster.
     """
     config = load_config(path, overrides)
+    app_config(config)
     if not ray.is_initialized():
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     elif not _same_cluster(address, connected := ray.get_runtime_context().gcs_address):

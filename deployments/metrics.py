@@ -1,13 +1,24 @@
 """Prometheus metrics of the deployments, through Ray Serve's metrics API.
 
-Names carry the ``specdec_`` prefix; Ray's exporter adds ``ray_`` (and ``_total`` to counters),
-so a dashboard queries e.g. ``ray_specdec_accepted_tokens_total``. ray.serve.metrics adds the
-``deployment``, ``replica`` and ``application`` tags itself.
+Names follow Prometheus conventions once exported: Ray's exporter prefixes ``ray_`` and appends
+``_total`` to counters, so the counter registered here as ``specdec_accepted_tokens`` is queried
+as ``ray_specdec_accepted_tokens_total``, and the histogram ``specdec_ttft_seconds`` as
+``ray_specdec_ttft_seconds_bucket`` / ``_sum`` / ``_count``. Counters are therefore registered
+without ``_total``; units are part of the name (``_seconds``, ``_bytes``). ray.serve.metrics adds
+the ``deployment``, ``replica`` and ``application`` tags itself.
+
+The speculation counters cover vLLM's spec-decode metrics (num_drafts, num_draft_tokens,
+num_accepted_tokens, num_accepted_tokens_per_pos); with ``specdec_decode_rounds`` every derived
+figure of specdec.decoding.stats is a ratio of two counters' rates, e.g. acceptance rate =
+accepted_tokens / draft_tokens and mean k = draft_tokens / decode_rounds.
+k8s/monitoring/grafana-dashboard.json plots them.
 """
 
 from __future__ import annotations
 
 from ray.serve import metrics
+
+from specdec.decoding.stats import SpeculationStats
 
 LATENCY_BOUNDARIES_S = [
     0.001,
@@ -35,11 +46,17 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.requests = metrics.Counter(
             "specdec_requests",
-            "Finished requests by method and gRPC status.",
+            "Finished requests by method and status code.",
             tag_keys=("method", "code"),
         )
         self.rounds = metrics.Counter(
-            "specdec_rounds", "Speculative rounds (target forward passes)."
+            "specdec_rounds", "Speculative rounds (target forward passes), prefills included."
+        )
+        self.decode_rounds = metrics.Counter(
+            "specdec_decode_rounds", "Rounds after the prefill, each drafting 0 to k_max tokens."
+        )
+        self.drafts = metrics.Counter(
+            "specdec_drafts", "Decode rounds that drafted at least one token."
         )
         self.draft_tokens = metrics.Counter(
             "specdec_draft_tokens", "Tokens proposed by the draft model."
@@ -47,22 +64,35 @@ class RouterMetrics:
         self.accepted_tokens = metrics.Counter(
             "specdec_accepted_tokens", "Draft tokens accepted by the target."
         )
+        self.draft_tokens_per_position = metrics.Counter(
+            "specdec_draft_tokens_per_position",
+            "Decode rounds that drafted a token at draft position `position` (0-based).",
+            tag_keys=("position",),
+        )
+        self.accepted_tokens_per_position = metrics.Counter(
+            "specdec_accepted_tokens_per_position",
+            "Decode rounds whose draft token at position `position` (0-based) was accepted.",
+            tag_keys=("position",),
+        )
+        self.completion_tokens = metrics.Counter(
+            "specdec_completion_tokens", "Tokens generated, after stop trimming."
+        )
         self.tokens_per_round = metrics.Histogram(
-            "specdec_accepted_tokens_per_round",
-            "Tokens committed per round, bonus included.",
+            "specdec_tokens_per_round",
+            "Per request: tokens committed per decode round, bonus included.",
             boundaries=TOKENS_BOUNDARIES,
         )
         self.round_latency = metrics.Histogram(
-            "specdec_round_latency_s",
-            "Seconds per round, split into draft, verify and orchestration.",
+            "specdec_round_latency_seconds",
+            "Per request: seconds per decode round, split into draft, verify and orchestration.",
             boundaries=LATENCY_BOUNDARIES_S,
             tag_keys=("part",),
         )
         self.ttft = metrics.Histogram(
-            "specdec_ttft_s", "Time to first token, seconds.", boundaries=LATENCY_BOUNDARIES_S
+            "specdec_ttft_seconds", "Time to first token, seconds.", boundaries=LATENCY_BOUNDARIES_S
         )
         self.request_latency = metrics.Histogram(
-            "specdec_request_latency_s",
+            "specdec_request_latency_seconds",
             "Request latency, seconds.",
             boundaries=LATENCY_BOUNDARIES_S,
         )
@@ -70,31 +100,42 @@ class RouterMetrics:
     def record_request(self, method: str, code: str) -> None:
         self.requests.inc(tags={"method": method, "code": code})
 
-    def record_completion(self, stats, latency_s: float) -> None:
-        """Adds one finished request's SpeculationStats."""
-        decode_rounds = max(stats.rounds - 1, 0)
-        self.rounds.inc(stats.rounds)
-        if stats.draft_tokens:
-            self.draft_tokens.inc(stats.draft_tokens)
-        if stats.accepted_tokens:
-            self.accepted_tokens.inc(stats.accepted_tokens)
-        self.tokens_per_round.observe(stats.mean_accepted_tokens)
-        if decode_rounds:
+    def record_completion(self, stats: SpeculationStats, latency_s: float) -> None:
+        """Adds one finished request's SpeculationStats and its latency (seconds).
+
+        Counters take the stats' raw counts (Ray's counters refuse increments of 0, so a zero
+        count adds nothing). Tokens per round and the per-round seconds are the stats' figures
+        per decode round; a request without a decode round adds to neither histogram.
+        """
+        for counter, value in (
+            (self.rounds, stats.rounds),
+            (self.decode_rounds, stats.decode_rounds),
+            (self.drafts, stats.drafting_rounds),
+            (self.draft_tokens, stats.draft_tokens),
+            (self.accepted_tokens, stats.accepted_tokens),
+            (self.completion_tokens, stats.completion_tokens),
+        ):
+            _add(counter, value)
+        for position, (drafted, accepted) in enumerate(
+            zip(stats.drafted_per_position, stats.accepted_per_position)
+        ):
+            tags = {"position": str(position)}
+            _add(self.draft_tokens_per_position, drafted, tags)
+            _add(self.accepted_tokens_per_position, accepted, tags)
+        if stats.decode_rounds:
+            self.tokens_per_round.observe(stats.mean_accepted_tokens)
             for part, seconds in (
-                ("draft", stats.draft_time_s),
-                ("verify", stats.verify_time_s),
-                ("orchestration", stats.overhead_time_s),
+                ("draft", stats.draft_s_per_round),
+                ("verify", stats.verify_s_per_round),
+                ("orchestration", stats.orchestration_s_per_round),
             ):
-                self.round_latency.observe(
-                    seconds / stats.rounds if part != "orchestration" else seconds / decode_rounds,
-                    tags={"part": part},
-                )
+                self.round_latency.observe(seconds, tags={"part": part})
         self.ttft.observe(stats.ttft_s)
         self.request_latency.observe(latency_s)
 
 
 class ReplicaMetrics:
-    """Cache occupancy of a draft or target replica."""
+    """Cache occupancy and compute time of a draft or target replica."""
 
     def __init__(self) -> None:
         self.sessions = metrics.Gauge(
@@ -105,8 +146,13 @@ class ReplicaMetrics:
             "specdec_cache_rebuilds", "Calls that missed and made the router resend."
         )
         self.compute = metrics.Histogram(
-            "specdec_compute_s",
+            "specdec_compute_seconds",
             "Model compute per call, seconds.",
             boundaries=LATENCY_BOUNDARIES_S,
             tag_keys=("method",),
         )
+
+
+def _add(counter: metrics.Counter, value: int, tags: dict[str, str] | None = None) -> None:
+    if value > 0:
+        counter.inc(value, tags=tags)

@@ -1,4 +1,4 @@
-"""What the draft and target deployments share: one model, its session caches, one compute thread."""
+"""What draft and target deployments share: one model, its session caches, one compute thread."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
+from specdec.config import SpecdecConfig
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.models.loading import load_model
-from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
+from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
 
 log = logging.getLogger("ray.serve")
@@ -31,40 +32,29 @@ class ModelReplica:
     loop stays free for health checks, releases and the transport while a forward runs.
 
     Args:
-        side_cls: DraftProposer or TargetVerifier.
-        model: local directory, cached model id, or .gguf path.
-        dtype, device: as specdec.models.load_model.
-        cache_capacity_bytes: bound of this replica's session KV caches.
-        side_kwargs: further arguments of side_cls (e.g. the verifier's fixed_width).
+        side_cls: DraftProposer or TargetVerifier, built as side_cls(loaded model, config).
+        side: "draft" or "target": which of config.models' model and dtype to load.
+        config: the application's settings (specdec.config), parsed once by build_app.
     """
 
-    def __init__(
-        self,
-        side_cls: type[SessionModel],
-        model: str,
-        dtype: str = "float32",
-        device: str = "cpu",
-        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-        **side_kwargs,
-    ) -> None:
+    def __init__(self, side_cls: type[SessionModel], side: str, config: SpecdecConfig) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model"
         )
+        model, self._dtype = config.models.for_side(side)
+        device = config.models.device
         # Loading runs on the compute thread too: OpenMP keeps a thread team per thread that
         # starts parallel work, and a second, idle team made every CPU forward ~1.5x slower
         # (int8 draft step 36 -> 54 ms, measured).
-        loaded = self._executor.submit(load_model, model, dtype=dtype, device=device).result()
-        self._dtype = dtype
-        self.side = self._executor.submit(
-            side_cls, loaded, cache_capacity_bytes, **side_kwargs
-        ).result()
+        loaded = self._executor.submit(load_model, model, dtype=self._dtype, device=device).result()
+        self.side = self._executor.submit(side_cls, loaded, config).result()
         self._metrics = ReplicaMetrics()
         log.info(
             "loaded %s (%s, %s) with a %d-byte session cache",
             model,
-            dtype,
+            self._dtype,
             device,
-            cache_capacity_bytes,
+            config.models.cache_capacity_bytes,
         )
 
     async def _compute(self, method: str, fn: Callable[..., Response], request) -> Response:

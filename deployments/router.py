@@ -1,6 +1,9 @@
-"""The router deployment: the public gRPC endpoint, running every request's speculative rounds.
+"""The router deployment: the public endpoint, running every request's speculative rounds.
 
-It holds no model weights, only the tokenizer. Each request runs specdec.decoding.round_loop.RoundLoop
+gRPC on Serve's gRPC port; the OpenAI-compatible HTTP API (specdec.deployments.http_api, mounted
+with ``@serve.ingress``) on its HTTP port, through the same validation and round loop.
+
+It holds no weights, only the tokenizer. Each request runs specdec.decoding.round_loop.RoundLoop
 over a HandleTransport: Serve deployment handles to the draft and target deployments, bound to
 the request's session id (ConsistentHashRouter keeps a session on one replica) and using Serve's
 per-replica gRPC transport (``_by_reference=False``).
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,13 +25,16 @@ from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.controller import CostModel
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
-from specdec.decoding.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
+from specdec.deployments import health
+from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
+from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.metrics import RouterMetrics
-from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
 from specdec.errors import InvalidRequestError
 from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
@@ -40,44 +46,14 @@ class ServiceUnavailable(RuntimeError):
     """No draft or target replica answered in time; the router answers UNAVAILABLE."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterOptions:
-    """Router settings, from the application's args.
-
-    Attributes:
-        draft_model, target_model: what the draft and target deployments load (the router loads
-            only their tokenizers).
-        max_speculative_tokens: k_max.
-        draft_top_n: the draft samples from its top-N tokens (0 = whole vocabulary).
-        concurrent_prefill: as specdec.decoding.round_loop.LoopConfig (False when both models share a
-            CPU's cores).
-        dynamic_draft_length: as specdec.decoding.round_loop.LoopConfig: adaptive rounds draft up to
-            k_max tokens and stop on the draft's confidence.
-        call_timeout_s: seconds one propose or verify may take before it is retried elsewhere.
-        unavailable_after_s: seconds of failed retries after which a request gets UNAVAILABLE.
-        draft_pool, target_pool: the Ray custom resources of the two deployments (reported by
-            GetModelInfo).
-    """
-
-    draft_model: str
-    target_model: str
-    max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
-    draft_top_n: int = 64
-    concurrent_prefill: bool = True
-    dynamic_draft_length: bool = True
-    call_timeout_s: float = 300.0
-    unavailable_after_s: float = 30.0
-    draft_pool: str = "draft_pool"
-    target_pool: str = "target_pool"
-
-
 class HandleTransport:
     """The round loop's transport over Serve handles, for one session.
 
     A call that fails because its replica died (RayActorError) or did not answer within
-    ``call_timeout_s`` is retried; Serve routes the retry to a live replica, which answers
-    cache_miss, and the round loop resends the whole sequence so that replica rebuilds the
-    session. Draws are keyed by position, so a retried call gives the same tokens.
+    ``service.call_timeout_s`` is retried; Serve routes the retry to a live replica, which
+    answers cache_miss, and the round loop resends the whole sequence so that replica rebuilds
+    the session. Draws are keyed by position, so a retried call gives the same tokens. After
+    ``service.unavailable_after_s`` of failed retries it raises ServiceUnavailable.
     """
 
     def __init__(
@@ -85,11 +61,11 @@ class HandleTransport:
         draft: DeploymentHandle,
         target: DeploymentHandle,
         session_id: str,
-        options: RouterOptions,
+        service: ServiceConfig,
     ) -> None:
         self._draft = draft.options(session_id=session_id)
         self._target = target.options(session_id=session_id)
-        self._options = options
+        self._service = service
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         return await self._call(self._draft, "propose", request)
@@ -98,9 +74,17 @@ class HandleTransport:
         return await self._call(self._target, "verify", request)
 
     async def release(self, session_id: str) -> None:
+        # Serve cancels the handle calls a request has in flight when that request is cancelled,
+        # and a request can end before its release is answered (a closed HTTP stream: starlette
+        # cancels the stream again at every await, so the round loop's shield returns early).
+        # Made from a fresh context, the release calls are no child of the request: they always
+        # reach both replicas, and a session's cache never outlives its request.
+        await contextvars.Context().run(asyncio.ensure_future, self._release(session_id))
+
+    async def _release(self, session_id: str) -> None:
         request = worker_pb2.ReleaseRequest(session_id=session_id)
         calls = [
-            asyncio.wait_for(handle.release.remote(request), self._options.call_timeout_s)
+            asyncio.wait_for(handle.release.remote(request), self._service.call_timeout_s)
             for handle in (self._draft, self._target)
         ]
         for result in await asyncio.gather(*calls, return_exceptions=True):
@@ -109,12 +93,12 @@ class HandleTransport:
 
     async def _call(self, handle: DeploymentHandle, method: str, request):
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self._options.unavailable_after_s
+        give_up = loop.time() + self._service.unavailable_after_s
         delay = 0.05
         while True:
             try:
                 return await asyncio.wait_for(
-                    getattr(handle, method).remote(request), self._options.call_timeout_s
+                    getattr(handle, method).remote(request), self._service.call_timeout_s
                 )
             except (RayActorError, asyncio.TimeoutError) as err:
                 if loop.time() + delay >= give_up:
@@ -166,29 +150,32 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
     graceful_shutdown_timeout_s=300,
     graceful_shutdown_wait_loop_s=1,
 )
-class SpeculativeRouter:
-    """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health).
+@serve.ingress(HTTP_APP)
+class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
+    """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health) on Serve's gRPC
+    port, and the OpenAI-compatible HTTP API (specdec.deployments.http_api) on its HTTP port.
 
     Args:
         draft, target: handles of the DraftModel and TargetModel deployments.
-        **options: RouterOptions fields.
+        config: the application's settings (specdec.config), parsed once by build_app: the
+            router loads only the models' tokenizers, runs each request's rounds by
+            config.speculation and calls the replicas within config.service's timeouts.
     """
 
-    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, **options) -> None:
-        self.options = RouterOptions(**options)
-        self.tokenizer = load_tokenizer(self.options.target_model)
-        check_same_tokenizer(load_tokenizer(self.options.draft_model), self.tokenizer)
+    def __init__(
+        self, draft: DeploymentHandle, target: DeploymentHandle, config: SpecdecConfig
+    ) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.models.target_model)
+        check_same_tokenizer(load_tokenizer(config.models.draft_model), self.tokenizer)
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
-        self.costs = CostModel(self.options.max_speculative_tokens)
-        self.config = LoopConfig(
-            k_max=self.options.max_speculative_tokens,
-            draft_top_n=self.options.draft_top_n,
-            concurrent_prefill=self.options.concurrent_prefill,
-            dynamic_draft_length=self.options.dynamic_draft_length,
-        )
+        self.costs = CostModel(config.speculation)
         self.metrics = RouterMetrics()
-        self._info: tuple[dict, dict] | None = None
+        self._info = health.ModelInfoCache(
+            {"draft": self.draft.model_info.remote, "target": self.target.model_info.remote},
+            config.service.unavailable_after_s,
+        )
 
     async def Generate(
         self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext
@@ -237,7 +224,7 @@ class SpeculativeRouter:
         except Exception as err:  # noqa: BLE001
             self._fail("GetModelInfo", err, grpc_context)
             return specdec_pb2.ModelInfo()
-        o = self.options
+        service = self.config.service
         return specdec_pb2.ModelInfo(
             draft_model=draft["name"],
             target_model=target["name"],
@@ -245,19 +232,41 @@ class SpeculativeRouter:
             draft_context_limit=draft["context_limit"],
             target_context_limit=target["context_limit"],
             context_limit=min(draft["context_limit"], target["context_limit"]),
-            draft_pool=o.draft_pool,
-            target_pool=o.target_pool,
+            draft_pool=service.draft_pool,
+            target_pool=service.target_pool,
             draft_dtype=draft["dtype"],
             target_dtype=target["dtype"],
-            max_speculative_tokens=o.max_speculative_tokens,
+            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
         )
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1: SERVING while the router runs (Serve restarts an unhealthy one)."""
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """grpc.health.v1: NOT_SERVING until a target replica has answered model_info, SERVING
+        afterwards, also while the draft is down (see readiness). Waits at most
+        health.PROBE_S seconds."""
+        return health_pb2.HealthCheckResponse(status=await self._health_status())
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest):
-        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """grpc.health.v1: the status now, then each change (checked every health.WATCH_POLL_S
+        seconds) until the client cancels; the stream ends after health.WATCH_MAX_S seconds so
+        that it never holds a draining replica (the client watches again)."""
+        async for status in health.watch(self._health_status):
+            yield health_pb2.HealthCheckResponse(status=status)
+
+    async def readiness(self) -> tuple[bool, str]:
+        """(ready, reason) for HTTP /ready and gRPC health: ready once a target replica has
+        answered model_info; the draft only changes the reason ("degraded"). Waits at most
+        health.PROBE_S seconds; never raises."""
+        return await health.readiness(self._info)
+
+    async def _health_status(self) -> int:
+        ready, _ = await self.readiness()
+        return (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
     async def _round_loop(self, request: specdec_pb2.GenerateRequest) -> RoundLoop:
         """Validates and tokenizes; raises InvalidRequestError naming the field."""
@@ -266,33 +275,29 @@ class SpeculativeRouter:
         prompt_ids = encode_prompt(self.tokenizer, request.prompt or None, messages or None)
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else AUTO
         prepared = prepare_request(prompt_ids, params, await self._limits(), k)
-        transport = HandleTransport(self.draft, self.target, prepared.session_id, self.options)
-        return RoundLoop(transport, self.tokenizer, prepared, self.costs, self.config)
+        transport = HandleTransport(
+            self.draft, self.target, prepared.session_id, self.config.service
+        )
+        return RoundLoop(transport, self.tokenizer, prepared, self.costs, self.config.speculation)
 
     async def _model_info(self) -> tuple[dict, dict]:
-        if self._info is None:
-            timeout = self.options.unavailable_after_s
-            try:
-                self._info = tuple(
-                    await asyncio.wait_for(
-                        asyncio.gather(
-                            self.draft.model_info.remote(), self.target.model_info.remote()
-                        ),
-                        timeout,
-                    )
-                )
-            except (RayActorError, asyncio.TimeoutError) as err:
-                raise ServiceUnavailable(
-                    f"draft or target deployment not answering: {err!r}"
-                ) from err
-        return self._info
+        """(draft, target) model_info; a request needs both (its limits take the smaller context).
+
+        Raises:
+            ServiceUnavailable: either side has not answered within unavailable_after_s.
+        """
+        try:
+            draft, target = await asyncio.gather(self._info.get("draft"), self._info.get("target"))
+        except (RayActorError, asyncio.TimeoutError) as err:
+            raise ServiceUnavailable(f"draft or target deployment not answering: {err!r}") from err
+        return draft, target
 
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
         return ModelLimits(
             vocab_size=target["vocab_size"],
             context_limit=min(draft["context_limit"], target["context_limit"]),
-            max_speculative_tokens=self.options.max_speculative_tokens,
+            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
             eos_token_ids=frozenset(target["eos_token_ids"]),
         )
 

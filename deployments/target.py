@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ray import serve
 
+from specdec.config import SpecdecConfig
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
-from specdec.engine import DEFAULT_MAX_SPECULATIVE_TOKENS
-from specdec.models.verifier import TargetVerifier, fixed_width_for
+from specdec.models.verifier import TargetVerifier
 from specdec.v1 import worker_pb2
 
 
@@ -16,20 +16,15 @@ from specdec.v1 import worker_pb2
     max_ongoing_requests=32,
 )
 class TargetModel(ModelReplica):
-    """Verifies draft tokens for any session (see specdec.models.verifier.TargetVerifier)."""
+    """Verifies draft tokens for any session (see specdec.models.verifier.TargetVerifier).
 
-    def __init__(
-        self,
-        model: str,
-        fixed_shape_verify: bool | None = None,
-        max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
-        **kwargs,
-    ) -> None:
-        # The fixed width depends on the loaded dtype, so it is resolved after loading.
-        super().__init__(TargetVerifier, model, **kwargs)
-        self.side.set_fixed_width(
-            fixed_width_for(self.side.loaded, max_speculative_tokens, fixed_shape_verify)
-        )
+    Args:
+        config: the application's settings; loads config.models.target_model, and the verifier
+            sizes its fixed width from max_speculative_tokens and the loaded dtype.
+    """
+
+    def __init__(self, config: SpecdecConfig) -> None:
+        super().__init__(TargetVerifier, "target", config)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         return await self._compute("verify", self.side.verify, request)

@@ -9,9 +9,12 @@ import importlib
 
 _EXPORTS = {
     "Completion": "specdec.decoding.round_loop",
+    "ConfigError": "specdec.errors",
     "InvalidRequestError": "specdec.errors",
     "ModelLoadError": "specdec.errors",
     "SamplingParams": "specdec.decoding.sampling",
+    "SpecdecConfig": "specdec.config",
+    "SpeculationConfig": "specdec.config",
     "SpeculationStats": "specdec.decoding.stats",
     "SpeculativeEngine": "specdec.engine",
 }

@@ -10,19 +10,16 @@ from typing import Any
 
 import torch
 
+from specdec.config import SpecdecConfig, SpeculationConfig
 from specdec.decoding.controller import CostModel
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
-from specdec.decoding.round_loop import Completion, LoopConfig, RoundLoop
+from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
 from specdec.models.loading import LoadedModel, check_same_tokenizer, load_model_pair
 from specdec.models.proposer import DraftProposer
-from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES
-from specdec.models.verifier import TargetVerifier, fixed_width_for
+from specdec.models.verifier import TargetVerifier
 from specdec.v1 import worker_pb2
-
-DEFAULT_MAX_SPECULATIVE_TOKENS = 8
-DEFAULT_DRAFT_TOP_N = 64
 
 
 class LocalTransport:
@@ -53,67 +50,67 @@ class SpeculativeEngine:
 
     Args:
         draft, target: loaded models sharing a tokenizer (ModelLoadError otherwise).
-        max_speculative_tokens: k_max, the largest k a request may ask for.
-        cache_capacity_bytes: per-model bound of the session KV caches, in bytes.
-        draft_top_n: the draft samples from its top-N tokens (0 = the whole vocabulary).
-        fixed_shape_verify: run every target decode forward at width k_max + 1 so that greedy
-            output cannot depend on k through rounding (TargetVerifier); None = on in half
-            precision.
-        dynamic_draft_length: adaptive rounds draft up to k_max tokens and stop on the draft's
-            confidence (specdec.decoding.round_loop.LoopConfig).
+        config: the settings (specdec.config): a SpecdecConfig, its SpeculationConfig alone, or
+            None for the defaults. The engine reads ``speculation``, the cache bound and
+            ``fixed_shape_verify``; the other model settings are what from_pretrained loads.
+        **settings: flat settings replacing the config's (max_speculative_tokens, draft_top_n,
+            dynamic_draft_length, concurrent_prefill, cache_capacity_bytes,
+            fixed_shape_verify, ...), parsed once into ``self.config``.
+    Raises:
+        ConfigError naming an unknown or invalid setting; ModelLoadError.
     """
 
     def __init__(
         self,
         draft: LoadedModel,
         target: LoadedModel,
-        *,
-        max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS,
-        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-        draft_top_n: int = DEFAULT_DRAFT_TOP_N,
-        fixed_shape_verify: bool | None = None,
-        dynamic_draft_length: bool = True,
+        config: SpeculationConfig | SpecdecConfig | None = None,
+        **settings: Any,
     ) -> None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
+        self.config = SpecdecConfig.of(config, **settings)
         self.draft, self.target = draft, target
         self.tokenizer = target.tokenizer
-        width = fixed_width_for(target, max_speculative_tokens, fixed_shape_verify)
         self.transport = LocalTransport(
-            DraftProposer(draft, cache_capacity_bytes),
-            TargetVerifier(target, cache_capacity_bytes, width),
+            DraftProposer(draft, self.config), TargetVerifier(target, self.config)
         )
         self.limits = ModelLimits(
             vocab_size=target.vocab_size,
             context_limit=min(draft.context_limit, target.context_limit),
-            max_speculative_tokens=max_speculative_tokens,
+            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
             eos_token_ids=target.eos_token_ids,
         )
-        self.config = LoopConfig(
-            k_max=max_speculative_tokens,
-            draft_top_n=draft_top_n,
-            dynamic_draft_length=dynamic_draft_length,
-        )
-        self.costs = CostModel(max_speculative_tokens)
+        self.costs = CostModel(self.config.speculation)
 
     @classmethod
     def from_pretrained(
         cls,
         draft_model: str | os.PathLike,
         target_model: str | os.PathLike,
-        *,
-        dtype: str = "float32",
-        device: str | torch.device = "cpu",
-        draft_dtype: str | None = None,
-        **kwargs: Any,
+        config: SpeculationConfig | SpecdecConfig | None = None,
+        **settings: Any,
     ) -> SpeculativeEngine:
-        """Loads both models offline (see specdec.models.load_model_pair) and builds the engine.
-
-        ``draft_dtype`` defaults to ``dtype``; "int8" makes a CPU draft about twice as fast.
+        """Loads both models offline (see specdec.models.load_model_pair) in the config's
+        ``dtype``, ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast) and
+        ``device``, and builds the engine; ``config`` and ``settings`` as for the engine.
         """
-        draft, target = load_model_pair(
-            draft_model, target_model, dtype=dtype, device=device, draft_dtype=draft_dtype
+        if isinstance(settings.get("device"), torch.device):
+            settings["device"] = str(settings["device"])
+        config = SpecdecConfig.of(
+            config,
+            draft_model=os.fspath(draft_model),
+            target_model=os.fspath(target_model),
+            **settings,
         )
-        return cls(draft, target, **kwargs)
+        models = config.models
+        draft, target = load_model_pair(
+            models.draft_model,
+            models.target_model,
+            dtype=models.dtype,
+            device=models.device,
+            draft_dtype=models.draft_dtype,
+        )
+        return cls(draft, target, config)
 
     def generate(
         self,
@@ -165,4 +162,6 @@ class SpeculativeEngine:
         request = prepare_request(
             prompt_ids, params or SamplingParams(), self.limits, num_speculative_tokens
         )
-        return RoundLoop(self.transport, self.tokenizer, request, self.costs, self.config)
+        return RoundLoop(
+            self.transport, self.tokenizer, request, self.costs, self.config.speculation
+        )

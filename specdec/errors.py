@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-class InvalidRequestError(ValueError):
-    """A request field is invalid. ``field`` names it; the router answers INVALID_ARGUMENT."""
+class FieldError(ValueError):
+    """A named field is invalid. ``field`` names it; the message starts with it."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -14,6 +14,15 @@ class InvalidRequestError(ValueError):
     def __reduce__(self):
         # Ray ships exceptions between processes by pickling them.
         return type(self), (self.field, self.message)
+
+
+class InvalidRequestError(FieldError):
+    """A request field is invalid. ``field`` names it; the router answers INVALID_ARGUMENT."""
+
+
+class ConfigError(FieldError):
+    """A setting (specdec.config) is invalid or unknown. ``field`` names it; raised at start-up,
+    before any model is loaded."""
 
 
 class ModelLoadError(RuntimeError):

@@ -18,6 +18,8 @@ import dataclasses
 import threading
 from typing import NamedTuple
 
+from specdec.config import SpeculationConfig
+
 EMA_WEIGHT = 0.2  # weight of a new cost sample
 ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
 PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
@@ -37,14 +39,14 @@ class CostModel:
     """Measured per-round costs, shared by all requests of one engine or router (thread-safe).
 
     Keeps an exponential moving average of the draft time per drafted token, of the verify time
-    for each k, and of the orchestration overhead of speculative (k > 0) and plain rounds.
+    for each k in [0, config.max_speculative_tokens], and of the orchestration overhead of
+    speculative (k > 0) and plain rounds.
     """
 
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
+    def __init__(self, config: SpeculationConfig) -> None:
         self._lock = threading.Lock()
         self._draft_per_token: float | None = None
-        self._verify: list[float | None] = [None] * (k_max + 1)
+        self._verify: list[float | None] = [None] * (config.max_speculative_tokens + 1)
         self._overhead: dict[bool, float] = {}
 
     def observe(self, k: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
@@ -119,19 +121,18 @@ class KController:
 
     Args:
         costs: the shared CostModel.
-        k_max: largest k allowed.
+        config: k is at most its max_speculative_tokens (k_max); with its dynamic_draft_length,
+            when speculation pays the round drafts up to k_max tokens and the draft stops on its
+            confidence (RoundPlan.min_draft_confidence) instead of drafting a fixed k.
         fixed_k: use this k every round (still capped by ``limit``), no confidence stop;
             None = adaptive.
         initial_k: k of the first rounds, before any cost is measured.
-        dynamic_length: when speculation pays, draft up to k_max tokens and let the draft stop
-            on its confidence (RoundPlan.min_draft_confidence) instead of a fixed k.
     """
 
     costs: CostModel
-    k_max: int
+    config: SpeculationConfig
     fixed_k: int | None = None
     initial_k: int = 4
-    dynamic_length: bool = False
     acceptance: AcceptanceEstimator = dataclasses.field(default_factory=AcceptanceEstimator)
     _plain_rounds: int = 0
 
@@ -139,15 +140,15 @@ class KController:
         """The next round's plan, k at most ``limit`` (tokens left before a length stop, minus
         one).
 
-        Its ``min_draft_confidence`` is 0, or with ``dynamic_length`` the marginal rule. Drafting
-        one more token costs its draft step plus what it adds to the verify, and commits one more
-        token with about the probability that the draft's block so far is accepted, the product
-        of its confidences (an upper estimate: the new token must be accepted too); that pays
-        while the product exceeds that marginal cost x the predicted tokens per second of the
-        best fixed k. With a fixed-width verify (half precision) the verify adds nothing; where
-        it grows with k (float32 on a CPU) it raises the floor.
+        Its ``min_draft_confidence`` is 0, or with a dynamic draft length the marginal rule.
+        Drafting one more token costs its draft step plus what it adds to the verify, and commits
+        one more token with about the probability that the draft's block so far is accepted, the
+        product of its confidences (an upper estimate: the new token must be accepted too); that
+        pays while the product exceeds that marginal cost x the predicted tokens per second of
+        the best fixed k. With a fixed-width verify (half precision) the verify adds nothing;
+        where it grows with k (float32 on a CPU) it raises the floor.
         """
-        cap = max(0, min(self.k_max, limit))
+        cap = max(0, min(self.config.max_speculative_tokens, limit))
         if self.fixed_k is not None:
             return RoundPlan(min(self.fixed_k, cap))
         draft_s = self.costs.draft_seconds_per_token
@@ -161,7 +162,7 @@ class KController:
             return expected_tokens(rate, k) / self.costs.round_seconds(k)
 
         best = max(range(cap + 1), key=tokens_per_s)
-        if not self.dynamic_length or best == 0:
+        if not self.config.dynamic_draft_length or best == 0:
             return RoundPlan(best)
         verify_s = 0.0
         if cap > best:

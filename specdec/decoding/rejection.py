@@ -53,10 +53,7 @@ def verify_sampled(
     # u < p(x) / q(x), written without the division so q(x) = 0 cannot produce NaN.
     accepted = uniforms * q[rows, draft_ids] < p[rows, draft_ids]
     num_accepted = _leading_true(accepted)
-    if num_accepted < k:
-        final = residual_distribution(p[num_accepted], q[num_accepted])
-    else:
-        final = p[k]
+    final = residual_distribution(p[num_accepted], q[num_accepted]) if num_accepted < k else p[k]
     return num_accepted, sample(final, generator)
 
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.config import SpeculationConfig
 from specdec.decoding.controller import CostModel, KController
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
@@ -33,22 +34,6 @@ class Transport(Protocol):
 
     async def release(self, session_id: str) -> None:
         """Drops the session on both sides; must not raise."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """k_max: largest k; draft_top_n: the draft's q truncation (0 = whole vocabulary);
-    concurrent_prefill: prefill the draft while the target prefills (right when they run on
-    separate devices). False leaves the draft's prefill to its first propose, after the first
-    token: right when both share a CPU's cores, where running both at once slows the target's
-    prefill (the time to first token) as much as it saves. dynamic_draft_length: adaptive
-    rounds (k "auto") draft up to k_max tokens and stop where the draft's confidence says one
-    more token no longer pays (specdec.decoding.controller.KController); a fixed k drafts exactly k."""
-
-    k_max: int
-    draft_top_n: int = 64
-    concurrent_prefill: bool = True
-    dynamic_draft_length: bool = True
 
 
 @dataclasses.dataclass
@@ -75,7 +60,8 @@ class RoundLoop:
         tokenizer: detokenizes the completion for the stop rules and the text.
         request: the validated request.
         costs: measured step costs, shared across requests.
-        config: k_max and the draft's q truncation.
+        config: k_max, the draft's q truncation, the dynamic draft length and whether the draft
+            prefills with the target (specdec.config.SpeculationConfig).
     """
 
     def __init__(
@@ -84,7 +70,7 @@ class RoundLoop:
         tokenizer: PreTrainedTokenizerBase,
         request: PreparedRequest,
         costs: CostModel,
-        config: LoopConfig,
+        config: SpeculationConfig,
     ) -> None:
         self._transport = transport
         self._request = request
@@ -99,13 +85,8 @@ class RoundLoop:
         self._checker = StopChecker(
             tokenizer, request.max_new_tokens, request.stop_token_ids, params.stop
         )
-        self._controller = KController(
-            costs,
-            config.k_max,
-            fixed_k=request.num_speculative_tokens,
-            dynamic_length=config.dynamic_draft_length,
-        )
-        self._recorder = StatsRecorder(config.k_max)
+        self._controller = KController(costs, config, fixed_k=request.num_speculative_tokens)
+        self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
         self.completion: Completion | None = None

@@ -15,7 +15,12 @@ DRAFT_STREAM = "draft"
 
 
 class DraftProposer(SessionModel):
-    """Runs the draft model over session caches (see SessionModel for the arguments)."""
+    """Runs the draft model over session caches.
+
+    Args:
+        loaded, config: as SessionModel (the draft reads only the cache bound; each round's
+            k and q truncation come with its ProposeRequest).
+    """
 
     def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         """Catches the session up on the committed tokens, then drafts up to k tokens.

@@ -8,11 +8,10 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache
 
+from specdec.config import SpecdecConfig
 from specdec.models.kv_cache import ActiveSession, SessionCacheStore
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
-
-DEFAULT_CACHE_CAPACITY_BYTES = 2 * 1024**3
 
 
 class SessionModel:
@@ -20,15 +19,14 @@ class SessionModel:
 
     Args:
         loaded: the model and tokenizer.
-        cache_capacity_bytes: bound of the session LRU, in bytes of key and value tensors.
+        config: its models.cache_capacity_bytes bounds the session LRU, in bytes of key and
+            value tensors.
     """
 
-    def __init__(
-        self, loaded: LoadedModel, cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES
-    ) -> None:
+    def __init__(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
         self.loaded = loaded
         self.sessions = SessionCacheStore(
-            cache_capacity_bytes, lambda: DynamicCache(config=loaded.model.config)
+            config.models.cache_capacity_bytes, lambda: DynamicCache(config=loaded.model.config)
         )
 
     @contextlib.contextmanager

@@ -6,11 +6,16 @@ import time
 
 import torch
 
+from specdec.config import SpecdecConfig
 from specdec.decoding.rejection import verify_greedy, verify_sampled
 from specdec.decoding.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.models.fixed_shape import use_row_wise_attention
+from specdec.models.fixed_shape import (
+    WidthCalibration,
+    calibrate_fixed_width,
+    use_row_wise_attention,
+)
 from specdec.models.loading import LoadedModel
-from specdec.models.session import DEFAULT_CACHE_CAPACITY_BYTES, SessionModel
+from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
 
 TARGET_STREAM = "target"
@@ -19,46 +24,35 @@ TARGET_STREAM = "target"
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def fixed_width_for(
-    loaded: LoadedModel, max_speculative_tokens: int, fixed_shape: bool | None = None
-) -> int | None:
-    """The verifier's fixed forward width: k_max + 1 positions when ``fixed_shape`` is True, or
-    when it is None and the target runs in half precision (see TargetVerifier); else None."""
-    if fixed_shape is None:
-        fixed_shape = loaded.model.dtype in HALF_PRECISION
-    return max_speculative_tokens + 1 if fixed_shape else None
-
-
 class TargetVerifier(SessionModel):
     """Runs the target model over session caches.
 
     Args:
-        loaded, cache_capacity_bytes: as SessionModel.
-        fixed_width: when set (k_max + 1), every decode forward runs exactly this many positions,
-            the real ones first and copies of the last one after them, with row-wise attention,
-            so that a position's logits do not depend on k (specdec.models.fixed_shape explains why
-            bfloat16 needs it). Causal attention keeps the padding out of the real positions,
-            and the padding's KV is cropped.
+        loaded: as SessionModel.
+        config: the session cache bound (as SessionModel), and the fixed width: when
+            models.fixed_shape_verify is True, or None and the loaded target is in half
+            precision, every decode forward runs exactly ``fixed_width`` positions (the smallest
+            width >= speculation.max_speculative_tokens + 1 that calibrate_fixed_width measured
+            to be position-invariant on this device), the real ones first and copies of
+            the last one after them, with row-wise attention, so that a position's logits do not
+            depend on k (specdec.models.fixed_shape explains why bfloat16 needs it). Causal
+            attention keeps the padding out of the real positions, and the padding's KV is
+            cropped. ``fixed_width`` is None when off.
     """
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        cache_capacity_bytes: int = DEFAULT_CACHE_CAPACITY_BYTES,
-        fixed_width: int | None = None,
-    ) -> None:
-        super().__init__(loaded, cache_capacity_bytes)
-        self.fixed_width = None
-        self.set_fixed_width(fixed_width)
-
-    def set_fixed_width(self, width: int | None) -> None:
-        """Turns the fixed width (and with it row-wise attention: specdec.models.fixed_shape) on for
-        ``width`` positions, or off for None."""
-        if width and not self.fixed_width:
-            use_row_wise_attention(self.loaded.model)
-        elif not width and self.fixed_width:
-            self.loaded.model.set_attn_implementation("sdpa")
-        self.fixed_width = width
+    def __init__(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
+        super().__init__(loaded, config)
+        fixed_shape = config.models.fixed_shape_verify
+        if fixed_shape is None:
+            fixed_shape = loaded.model.dtype in HALF_PRECISION
+        self.fixed_width: int | None = None
+        self.calibration: WidthCalibration | None = None
+        if fixed_shape:
+            use_row_wise_attention(loaded.model)
+            self.calibration = calibrate_fixed_width(
+                loaded.model, loaded.vocab_size, config.speculation.max_speculative_tokens + 1
+            )
+            self.fixed_width = self.calibration.width
 
     def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         """Runs the pending committed tokens plus the k draft tokens in one forward pass.

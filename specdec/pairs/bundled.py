@@ -309,12 +309,16 @@ def _join(model: BundledModel, parts: list[_Part], path: Path) -> None:
     )
 
 
+def _part_corrupt(part: _Part) -> bool:
+    """True when a part's file fails the size or SHA-256 its own RECORD gives (if it gives one)."""
+    if part.size_bytes is not None and part.path.stat().st_size != part.size_bytes:
+        return True
+    return part.sha256 is not None and _sha256_file(part.path) != part.sha256
+
+
 def _mismatch_message(model: BundledModel, parts: list[_Part], size: int, sha: str) -> str:
     """Explains a bad join, naming the part packages whose files fail their own RECORD."""
-    bad = []
-    for part in parts:
-        if part.size_bytes is not None and part.path.stat().st_size != part.size_bytes or part.sha256 is not None and _sha256_file(part.path) != part.sha256:
-            bad.append(part.distribution)
+    bad = [part.distribution for part in parts if _part_corrupt(part)]
     detail = (
         f"the joined {model.role} model ({model.name}) is {size} bytes with SHA-256 {sha}; "
         f"expected {model.size_bytes} bytes with SHA-256 {model.sha256}"
@@ -554,7 +558,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def _chmod_default(path: Path, mode: int = 0o666) -> None:
     """Gives a mkstemp/mkdtemp result (0600/0700) the permissions of an ordinary new file."""
     umask = 0o022
-    with contextlib.suppress(OSError, ValueError, StopIteration):  # Linux: read, don't set
-        with open("/proc/self/status") as status:
-            umask = int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    # Linux: read the umask, don't set it (setting is process-wide and racy).
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as st:
+        umask = int(next(line for line in st if line.startswith("Umask:")).split()[1], 8)
     os.chmod(path, mode & ~umask)

@@ -23,6 +23,7 @@ the share achieved (decode-phase speedup / bound) shows what transport and sched
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -30,12 +31,13 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.client import SpecdecClient, build_request
+from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION, SpecdecClient, build_request
 from specdec.decoding.stats import SpeculationStats
+from specdec.tools.args import add_k_arg, positive_int
 from specdec.tools.datasets import BenchPrompt
 
 TARGET_ONLY, SPECULATIVE, HF_ASSISTED = "target_only", "speculative", "hf_assisted"
@@ -78,7 +80,7 @@ class Run:
             "token_ids": self.token_ids,
         }
         if self.stats is not None:
-            out["stats"] = dataclasses.asdict(self.stats)
+            out["stats"] = self.stats.as_dict()
         return out
 
 
@@ -187,50 +189,14 @@ class _FirstTokenClock:
 
 def predicted_speedup(spec: SpeculationStats, base: SpeculationStats) -> float | None:
     """The decode-phase bound (module docstring) from one speculative and one target-only run,
-    or summed stats of many: tokens per decode round x target step / round compute. None when
-    either has no decode round."""
+    or summed stats of many: tokens per decode round x target step / round compute, each a
+    SpeculationStats figure. None when either has no decode round or the rounds cost nothing."""
     if spec.decode_rounds == 0 or base.decode_rounds == 0:
         return None
-    t_target = (base.verify_time_s - base.prefill_verify_time_s) / base.decode_rounds
-    round_s = (
-        spec.draft_time_s
-        - spec.prefill_draft_time_s
-        + spec.verify_time_s
-        - spec.prefill_verify_time_s
-    ) / spec.decode_rounds
-    tokens = (spec.accepted_tokens + spec.decode_rounds) / spec.decode_rounds
-    return tokens * t_target / round_s if round_s > 0 else None
-
-
-def sum_stats(stats: Iterable[SpeculationStats]) -> SpeculationStats:
-    """Adds counts and times; rates are recomputed from the sums.
-
-    Each request has its own prefill round, so the sum counts its decode rounds and then one
-    round for all the prefills: ``decode_rounds`` of the result is the total of decode rounds
-    (and the prefill times are the totals of prefill times)."""
-    total = SpeculationStats(rounds=1)
-    for s in stats:
-        total.rounds += s.decode_rounds
-        for field in (
-            "draft_tokens",
-            "accepted_tokens",
-            "draft_time_s",
-            "verify_time_s",
-            "overhead_time_s",
-            "prefill_draft_time_s",
-            "prefill_verify_time_s",
-        ):
-            setattr(total, field, getattr(total, field) + getattr(s, field))
-        for field in ("accepted_per_position", "drafted_per_position"):
-            ours, theirs = getattr(total, field), getattr(s, field)
-            setattr(total, field, [a + b for a, b in zip(ours, theirs)] if ours else list(theirs))
-    total.acceptance_rate = (
-        total.accepted_tokens / total.draft_tokens if total.draft_tokens else 0.0
-    )
-    decode = total.decode_rounds
-    total.mean_accepted_tokens = (total.accepted_tokens + decode) / decode if decode else 0.0
-    total.mean_k = total.draft_tokens / decode if decode else 0.0
-    return total
+    round_s = spec.draft_s_per_round + spec.verify_s_per_round
+    if round_s <= 0:
+        return None
+    return spec.mean_accepted_tokens * base.verify_s_per_round / round_s
 
 
 @dataclasses.dataclass
@@ -264,7 +230,7 @@ def summarize(results: Sequence[PromptResult], greedy: bool) -> dict[str, dict[s
     base_runs = [r.runs[TARGET_ONLY] for r in results]
     base_tps = _aggregate_tps(base_runs)
     base_decode = _decode_tps(base_runs)
-    base_stats = sum_stats(r.stats for r in base_runs)
+    base_stats = SpeculationStats.total(r.stats for r in base_runs)
     summary = {}
     for mode in modes:
         runs = [r.runs[mode] for r in results]
@@ -284,20 +250,13 @@ def summarize(results: Sequence[PromptResult], greedy: bool) -> dict[str, dict[s
                 r.token_ids == b.token_ids for r, b in zip(runs, base_runs)
             ) / len(runs)
         if all(r.stats is not None for r in runs):
-            total = sum_stats(r.stats for r in runs)
+            total = SpeculationStats.total(r.stats for r in runs)
             row.update(
                 acceptance_rate=total.acceptance_rate,
                 tokens_per_round=total.mean_accepted_tokens,
                 mean_k=total.mean_k,
-                overhead_ms_per_round=(
-                    1e3 * total.overhead_time_s / total.decode_rounds
-                    if total.decode_rounds
-                    else 0.0
-                ),
-                acceptance_per_position=[
-                    a / d if d else None
-                    for a, d in zip(total.accepted_per_position, total.drafted_per_position)
-                ],
+                overhead_ms_per_round=1e3 * total.orchestration_s_per_round,
+                acceptance_per_position=total.acceptance_per_position,
             )
             if mode != TARGET_ONLY:
                 bound = predicted_speedup(total, base_stats)
@@ -307,14 +266,22 @@ def summarize(results: Sequence[PromptResult], greedy: bool) -> dict[str, dict[s
     return summary
 
 
+def _timing(run: Run) -> SpeculationStats:
+    """A run's tokens and times as stats, so its rates are the SpeculationStats figures (the
+    in-process baseline has no stats of its own)."""
+    return SpeculationStats(
+        completion_tokens=len(run.token_ids), wall_time_s=run.seconds, ttft_s=run.ttft_s
+    )
+
+
 def _aggregate_tps(runs: Sequence[Run]) -> float:
-    return sum(len(r.token_ids) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
+    """All tokens / all seconds of the runs, tokens/s."""
+    return SpeculationStats.total(map(_timing, runs)).tokens_per_second
 
 
 def _decode_tps(runs: Sequence[Run]) -> float:
-    return sum(max(len(r.token_ids) - 1, 0) for r in runs) / max(
-        sum(r.decode_seconds for r in runs), 1e-9
-    )
+    """All tokens after the first / all seconds after the first token, tokens/s."""
+    return SpeculationStats.total(map(_timing, runs)).decode_tokens_per_second
 
 
 def format_table(summary: dict[str, dict[str, Any]], greedy: bool) -> str:
@@ -513,9 +480,47 @@ def _load_hf(info, no_hf: bool) -> HFAssisted | None:
     )
 
 
-def main(args) -> int:
-    """`specdec bench` (see specdec.cli for the flags). Returns 1 when a greedy speculative
-    output differs from target-only, else 0."""
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec bench`."""
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument(
+        "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
+    )
+    parser.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
+    parser.add_argument("--category", help="only this category of the dataset")
+    parser.add_argument(
+        "--limit", type=positive_int, default=20, help="first N prompts (default 20)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="new tokens per request (default 128)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
+    add_k_arg(parser, "speculative tokens per round in the speculative mode: int or auto")
+    parser.add_argument(
+        "--no-hf",
+        action="store_true",
+        help="skip the in-process Hugging Face assisted-generation baseline",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
+    parser.add_argument("--json", metavar="OUT", help="one record per prompt and a summary")
+    parser.add_argument(
+        "--plot", metavar="OUT.png", help="speedup per prompt, acceptance per draft position"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """`specdec bench` (flags: add_cli_args). Returns 1 when a greedy speculative output differs
+    from target-only, else 0.
+
+    Raises:
+        ValueError: no directory for --json / --plot, or a bad dataset. ImportError: --plot
+        without matplotlib. grpc.RpcError: the service refused or failed a request.
+    """
     from specdec.tools.datasets import load_prompts
 
     prompts = load_prompts(

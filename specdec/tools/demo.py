@@ -4,57 +4,86 @@
 2. Starts the local three-node cluster, unless one is running (then it is used and left up).
 3. Deploys deployments/config/local.yaml: target bfloat16, draft int8.
 4. Streams two real prompts through gRPC, each as a chat message: one coding, one general.
-5. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
+5. Sends one short chat completion through the OpenAI-compatible HTTP API (port 8000) and
+   prints its text and usage.
+6. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
    plot go to ``--out`` (default ``bench-results/``).
-6. Stops exactly the cluster it started, whatever happened (a cluster that was already running
+7. Stops exactly the cluster it started, whatever happened (a cluster that was already running
    is used, redeployed with local.yaml, and left running).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from specdec.client import DEFAULT_APPLICATION, SpecdecClient, build_request
+from specdec.tools.args import config_path, grpc_port, openai_base_url, positive_int
+from specdec.tools.generate import print_summary
 
 CONFIG = "local.yaml"
 PROMPTS = (
     ("coding", "Write a Python function `is_prime(n: int) -> bool` with a short docstring."),
     ("chat", "In three sentences, explain why the sky is blue."),
 )
+HTTP_PROMPT = "Name three prime numbers."
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec demo`."""
+    parser.add_argument(
+        "--limit", type=positive_int, default=3, help="HumanEval prompts to benchmark (default 3)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=64,
+        help="new tokens per benchmark prompt; the streamed answers get twice as many (default 64)",
+    )
+    parser.add_argument("--out", default="bench-results", help="folder for the JSON and plot")
 
 
 def main(args: argparse.Namespace) -> int:
     """Runs the demo (module docstring); returns the benchmark's exit status (1: a greedy
-    speculative output differed from target-only)."""
-    from specdec.cli import _config_path, _grpc_port
+    speculative output differed from target-only).
+
+    Raises:
+        specdec.errors.ModelLoadError: the bundled pair is not installed. RuntimeError: the
+        cluster or the deployment failed. grpc.RpcError, urllib.error.HTTPError: a request
+        failed.
+    """
     from specdec.cluster import local
     from specdec.deployments.deploy import deploy, resolve_bundled
 
-    config = _config_path(CONFIG)
+    config = config_path(CONFIG)
     Path(args.out).mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of work
-    print("== 1/4 the bundled model pair", flush=True)
+    print("== 1/5 the bundled model pair", flush=True)
     overrides = resolve_bundled(config)
     started = False
     try:
         try:
             address = local.address()
-            print(f"== 2/4 using the running local cluster at {address}", flush=True)
+            print(f"== 2/5 using the running local cluster at {address}", flush=True)
         except RuntimeError:
-            print("== 2/4 starting the local cluster (head, draft pool, target pool)", flush=True)
+            print("== 2/5 starting the local cluster (head, draft pool, target pool)", flush=True)
             address, started = local.up().address, True
         start = time.perf_counter()
         deploy(config, address=address, overrides=overrides)
         print(f"   deployed in {time.perf_counter() - start:.0f} s", flush=True)
-        grpc_address = f"127.0.0.1:{_grpc_port(config)}"
+        grpc_address = f"127.0.0.1:{grpc_port(config)}"
         with SpecdecClient(grpc_address, DEFAULT_APPLICATION, timeout_s=900) as client:
-            print(f"== 3/4 streaming through gRPC at {grpc_address}", flush=True)
+            print(f"== 3/5 streaming through gRPC at {grpc_address}", flush=True)
             for name, prompt in PROMPTS:
                 _stream(client, name, prompt, args.max_new_tokens)
+        base_url = openai_base_url(config)
+        print(f"== 4/5 one chat completion through the OpenAI API at {base_url}", flush=True)
+        _print_http_chat(http_chat(base_url, HTTP_PROMPT, args.max_new_tokens))
         print(
-            f"== 4/4 benchmark: {args.limit} HumanEval prompts, {args.max_new_tokens} new "
+            f"== 5/5 benchmark: {args.limit} HumanEval prompts, {args.max_new_tokens} new "
             "tokens, greedy",
             flush=True,
         )
@@ -68,8 +97,6 @@ def main(args: argparse.Namespace) -> int:
 def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) -> None:
     """Streams one chat prompt to stdout (2 x max_new_tokens tokens: a whole short answer),
     then its speculation summary to stderr."""
-    from specdec.cli import _print_summary
-
     print(f"\n--- {name}: {prompt}", flush=True)
     request = build_request(
         messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens * 2
@@ -79,34 +106,81 @@ def _stream(client: SpecdecClient, name: str, prompt: str, max_new_tokens: int) 
         print(message.text, end="", flush=True)
     print()
     if message is not None:
-        _print_summary(message)
+        print_summary(message)
         sys.stderr.flush()
 
 
-def _bench(grpc_address: str, args: argparse.Namespace) -> int:
-    """`specdec bench` on the first args.limit HumanEval prompts, greedy, adaptive k."""
+def http_chat(base_url: str, prompt: str, max_tokens: int, timeout_s: float = 900) -> dict:
+    """POSTs one greedy chat completion (``prompt`` as the user message) to the OpenAI-compatible
+    API at ``base_url`` (``.../v1``) with plain urllib; returns the response object (``choices``,
+    ``usage``, ``specdec_stats``).
+
+    Raises:
+        urllib.error.HTTPError: the service answered an error object (400, 503, ...).
+    """
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.load(response)
+
+
+def _print_http_chat(answer: dict) -> None:
+    """The answer's text, then its usage and acceptance (to stderr, like the gRPC summary)."""
+    choice, usage = answer["choices"][0], answer["usage"]
+    print(f"\n--- chat over HTTP: {HTTP_PROMPT}\n{choice['message']['content']}", flush=True)
+    stats = answer["specdec_stats"]
+    print(
+        f"[{choice['finish_reason']}] usage: {usage['prompt_tokens']} prompt + "
+        f"{usage['completion_tokens']} completion = {usage['total_tokens']} tokens, "
+        f"acceptance {stats['acceptance_rate']:.2f}, mean k {stats['mean_k']:.1f}",
+        file=sys.stderr,
+    )
+    sys.stderr.flush()
+
+
+def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments of the demo's `specdec bench` run, parsed by bench's own parser (so a bench
+    flag added or made required shows here, and in a unit test, not minutes into `make run`):
+    the first args.limit HumanEval prompts, args.max_new_tokens new tokens, greedy, adaptive k,
+    JSON and plot under args.out."""
     from specdec.tools import bench
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    bench_args = argparse.Namespace(
-        address=grpc_address,
-        application=DEFAULT_APPLICATION,
-        dataset="humaneval",
-        data_file=None,
-        category=None,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        temperature=0.0,
-        seed=0,
-        k=None,
-        no_hf=False,
-        timeout=900.0,
-        json=str(out / "make-run.json"),
-        plot=str(out / "make-run.png"),
+    parser = argparse.ArgumentParser(prog="specdec bench")
+    bench.add_cli_args(parser)
+    return parser.parse_args(
+        [
+            f"--address={grpc_address}",
+            f"--application={DEFAULT_APPLICATION}",
+            "--dataset=humaneval",
+            f"--limit={args.limit}",
+            f"--max-new-tokens={args.max_new_tokens}",
+            "--temperature=0",
+            "--seed=0",
+            "--k=auto",
+            "--timeout=900",
+            f"--json={out / 'make-run.json'}",
+            f"--plot={out / 'make-run.png'}",
+        ]
     )
-    status = bench.main(bench_args)
-    print(f"\nper-prompt records: {bench_args.json}; plot: {bench_args.plot}")
+
+
+def _bench(grpc_address: str, args: argparse.Namespace) -> int:
+    """`specdec bench` with bench_args; returns its exit status."""
+    from specdec.tools import bench
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    parsed = bench_args(grpc_address, args)
+    status = bench.main(parsed)
+    print(f"\nper-prompt records: {parsed.json}; plot: {parsed.plot}")
     return status
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from specdec.tools.args import run_standalone
+
 APPLICATION = "specdec"
 MODEL_ROLES = ("draft", "target")
 BASE_PATCH = Path("base/serve-config.yaml")
@@ -38,7 +40,8 @@ def gpu_config_text() -> str:
 
 def cpu_demo_config(gpu: dict) -> dict:
     """The GPU Serve config made to run on CPU pods: float32 on the CPU, no GPUs or accelerator
-    types requested, at most CPU_DEMO_MAX_REPLICAS replicas per deployment. Pools stay as they are."""
+    types requested, at most CPU_DEMO_MAX_REPLICAS replicas per deployment. Pools stay as they
+    are."""
     config = copy.deepcopy(gpu)
     for app in config["applications"]:
         if app["name"] != APPLICATION:
@@ -116,12 +119,8 @@ def prepare_models(
     return [root / role for role in roles]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m specdec.tools.k8s",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The subcommands of `specdec k8s` / `python -m specdec.tools.k8s`: render, models."""
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="write the generated files under k8s/")
     render.add_argument("--k8s-dir", default="k8s")
@@ -135,8 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument(
         "--dtype", default="bfloat16", help="bundled conversion dtype (the config's)"
     )
-    args = parser.parse_args(argv)
 
+
+def main(args: argparse.Namespace) -> int:
+    """``models``: prepare_models, printing each path and its target; returns 0. ``render``:
+    writes the stale generated files, or with --check lists them on stderr; returns 1 when
+    --check found any, else 0.
+
+    Raises:
+        specdec.errors.ModelLoadError, ValueError: as prepare_models.
+    """
     if args.command == "models":
         for path in prepare_models(args.dest, args.roles, args.source, args.dtype):
             print(f"{path} -> {path.resolve()}")
@@ -156,4 +163,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_standalone(
+        add_cli_args,
+        main,
+        prog="python -m specdec.tools.k8s",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )

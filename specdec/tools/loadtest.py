@@ -13,6 +13,7 @@ Time fields are seconds; ``t`` counts from the start of the run.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import dataclasses
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 
 from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION
+from specdec.tools.args import add_k_arg
 from specdec.tools.replica_monitor import ReplicaMonitor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -463,8 +465,62 @@ async def run(
     return report
 
 
-def main(args) -> int:
-    """``specdec loadtest`` (args from specdec.cli): run, print the summary, write JSON/plot.
+def stages_arg(text: str) -> list[Stage]:
+    """argparse type of --stages: parse_stages, its error as argparse's (which names the flag).
+
+    Raises:
+        argparse.ArgumentTypeError: a part is not CONCURRENCYxDURATION or has a zero duration.
+    """
+    try:
+        return parse_stages(text, flag="")
+    except ValueError as err:  # argparse prefixes "argument --stages: "
+        raise argparse.ArgumentTypeError(str(err).lstrip(": ")) from None
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec loadtest`."""
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument(
+        "--stages",
+        default="1x30s,8x90s,1x60s",
+        type=stages_arg,
+        help="CONCURRENCYxDURATION,... (durations in ms, s or m)",
+    )
+    parser.add_argument(
+        "--dataset",
+        default="tiny",
+        help="tiny (built in), humaneval, mt-bench, spec-bench or a .jsonl path",
+    )
+    parser.add_argument("--data-file", help="the dataset's question file")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_k_arg(parser, "speculative tokens per round: an int >= 0 (0 = off) or auto")
+    parser.add_argument("--temperature", type=float, help="default: greedy")
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GenerateStream, TTFT at the first message (default on)",
+    )
+    parser.add_argument(
+        "--ray-address", help="Ray address for replica counts (default: the local cluster's)"
+    )
+    parser.add_argument("--max-requests", type=int, help="start at most N requests")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="deadline of each request, seconds"
+    )
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after the last stage",
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the per-second report as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="plot load, latency, replicas")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``specdec loadtest`` (flags: add_cli_args): run, print the summary, write JSON/plot.
 
     Returns 1 when any request failed, else 0.
     """

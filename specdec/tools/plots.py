@@ -120,9 +120,9 @@ def _rolling_mean(values: list[float], width: int) -> list[float]:
 def _legend(*axes) -> None:
     handles, labels = [], []
     for ax in axes:
-        h, l = ax.get_legend_handles_labels()
-        handles += h
-        labels += l
+        ax_handles, ax_labels = ax.get_legend_handles_labels()
+        handles += ax_handles
+        labels += ax_labels
     axes[0].legend(handles, labels, loc="upper left", fontsize="small")
 
 

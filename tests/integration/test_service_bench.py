@@ -23,23 +23,20 @@ def _args(tmp_path, address, **overrides):
         '{"question_id": 2, "category": "chat", "turns": ["Say hi.", "Again."]}\n'
         '{"question_id": 3, "category": "code", "prompt": "import os\\n"}\n'
     )
-    values = dict(
-        address=address,
-        application="specdec",
-        dataset=str(prompts),
-        data_file=None,
-        category=None,
-        limit=None,
-        max_new_tokens=12,
-        temperature=0.0,
-        seed=0,
-        k=3,
-        no_hf=False,
-        timeout=120.0,
-        json=str(tmp_path / "out.json"),
-        plot=str(tmp_path / "out.png"),
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)  # the flags as `specdec bench` parses them
+    args = parser.parse_args(
+        [
+            f"--address={address}",
+            f"--dataset={prompts}",
+            "--max-new-tokens=12",
+            "--k=3",
+            "--timeout=120",
+            f"--json={tmp_path / 'out.json'}",
+            f"--plot={tmp_path / 'out.png'}",
+        ]
     )
-    return argparse.Namespace(**{**values, **overrides})
+    return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def test_bench_reports_every_mode_and_exactness(served, tmp_path, capsys):

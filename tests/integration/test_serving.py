@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
+import re
 import time
+import urllib.error
+import urllib.request
 
+import dashboard
 import grpc
 import pytest
 import yaml
@@ -15,6 +20,7 @@ from local_service import LOCAL_CONFIG
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.client import build_request
 from specdec.pairs.tiny import PROMPTS
+from specdec.v1 import worker_pb2
 
 pytestmark = pytest.mark.integration
 APP = "specdec"
@@ -129,6 +135,45 @@ def test_model_info_health_and_reflection(client, tiny_pair):
     )
     services = {s.name for answer in answers for s in answer.list_services_response.service}
     assert "specdec.v1.SpeculativeDecoding" in services
+
+
+def test_health_watch_streams_until_the_client_cancels(client):
+    """Watch answers SERVING at once, then stays open (it would send only a change); a client
+    cancel ends it cleanly and the service keeps answering."""
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    stream = stub.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+    assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(next, stream)
+        time.sleep(3)  # three polls of the router with nothing new to say
+        assert not pending.done(), "Watch ended after one message"
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            pending.result(timeout=10)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    health = stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_get(path):
+    """(status, JSON body) of GET path on Serve's HTTP proxy, under the application's prefix."""
+    from ray import serve
+    from ray.serve.schema import ServeInstanceDetails
+
+    details = ServeInstanceDetails(**serve.context._get_global_client().get_serve_details())
+    prefix = details.applications[APP].route_prefix.rstrip("/")
+    url = f"http://127.0.0.1:{details.http_options.port}{prefix}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_http_health_and_ready(client):
+    assert _http_get("/health") == (200, {"status": "alive"})
+    status, body = _http_get("/ready")
+    assert status == 200 and body["ready"] is True, body
 
 
 def test_replicas_run_only_on_their_pool_nodes(client):
@@ -246,25 +291,44 @@ def _scrape_metrics():
     return text
 
 
+def _exported_names(text):
+    """Metric names of the samples in a Prometheus text exposition."""
+    return set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, flags=re.MULTILINE))
+
+
 def test_prometheus_metrics_are_exported(client):
-    client.generate(build_request(PROMPTS[0], max_new_tokens=16, num_speculative_tokens=2))
+    """The service exports the named metrics and every metric the Grafana dashboard
+    (k8s/monitoring/grafana-dashboard.json) queries, once it has served a few requests."""
+    for prompt in PROMPTS[:3]:
+        client.generate(build_request(prompt, max_new_tokens=16, num_speculative_tokens=2))
+    # A draft call for a session no replica holds: a cache miss, which counts a rebuild.
+    miss = worker_pb2.ProposeRequest(
+        session=worker_pb2.SessionTokens(
+            session_id="metrics-miss", prefix_len=3, new_token_ids=[1]
+        ),
+        num_speculative_tokens=1,
+    )
+    assert _handle("DraftModel", "metrics-miss").propose.remote(miss).result().cache_miss
     wanted = [
         "ray_specdec_requests_total",
         "ray_specdec_accepted_tokens_total",
         "ray_specdec_rounds_total",
-        "ray_specdec_round_latency_s_bucket",
-        "ray_specdec_ttft_s_bucket",
+        "ray_specdec_round_latency_seconds_bucket",
+        "ray_specdec_ttft_seconds_bucket",
         "ray_specdec_cache_sessions",
-        "ray_specdec_compute_s_bucket",
+        "ray_specdec_compute_seconds_bucket",
+        *sorted(dashboard.dashboard_metric_names()),
     ]
-    text = ""
+    exported: set[str] = set()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(name in text for name in wanted):
+    while time.monotonic() < deadline and not set(wanted) <= exported:
         time.sleep(2)
         text = _scrape_metrics()
-    missing = [name for name in wanted if name not in text]
+        exported = _exported_names(text)
+    missing = [name for name in wanted if name not in exported]
     assert not missing, missing
     assert 'part="orchestration"' in text and 'code="OK"' in text
+    assert 'position="0"' in text
 
 
 def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from specdec.decoding.stats import SpeculationStats
-from specdec.tools.bench import Run, format_table, predicted_speedup, sum_stats
-from specdec.tools.datasets import load_prompts
+from specdec.tools.bench import PromptResult, Run, format_table, predicted_speedup, summarize
+from specdec.tools.datasets import BenchPrompt, load_prompts
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
 
@@ -45,7 +46,7 @@ def test_bound_needs_decode_rounds_on_both_sides():
     assert predicted_speedup(spec, SpeculationStats(rounds=1)) is None
 
 
-def test_sum_stats_adds_counts_and_recomputes_rates():
+def test_summed_stats_add_counts_and_recompute_rates():
     a = SpeculationStats(
         rounds=5,
         draft_tokens=8,
@@ -62,12 +63,68 @@ def test_sum_stats_adds_counts_and_recomputes_rates():
         accepted_per_position=[1, 0],
         drafted_per_position=[2, 2],
     )
-    total = sum_stats([a, b])
+    total = SpeculationStats.total([a, b])
     assert (total.decode_rounds, total.draft_tokens, total.accepted_tokens) == (6, 12, 7)
     assert total.acceptance_rate == pytest.approx(7 / 12)
     assert total.mean_k == pytest.approx(12 / 6)
     assert total.mean_accepted_tokens == pytest.approx((7 + 6) / 6)
     assert total.accepted_per_position == [4, 2] and total.drafted_per_position == [6, 6]
+
+
+def _service_run(mode, stats, tokens, seconds, ttft_s):
+    stats = dataclasses.replace(stats, completion_tokens=tokens, wall_time_s=seconds, ttft_s=ttft_s)
+    return Run(mode, list(range(tokens)), "", stats.tokens_per_second, ttft_s, stats)
+
+
+def test_summary_figures_are_ratios_of_sums_over_decode_rounds():
+    # Target only: 11 tokens in 4 s and 6 in 2 s, TTFT 1 s. Speculative: the same tokens in half
+    # the time, TTFT 0.5 s, in 1 + 4 and 1 + 2 rounds (6 of 8 and 3 of 4 drafted accepted).
+    base = [_target_only(rounds=11), _target_only(rounds=6, step_s=0.2, prefill_s=0.5)]
+    spec = [
+        SpeculationStats(
+            rounds=5,
+            draft_tokens=8,
+            accepted_tokens=6,
+            draft_time_s=0.8,
+            verify_time_s=1.2,
+            overhead_time_s=0.4,
+            accepted_per_position=[4, 2],
+            drafted_per_position=[4, 4],
+        ),
+        SpeculationStats(
+            rounds=3,
+            draft_tokens=4,
+            accepted_tokens=3,
+            draft_time_s=0.4,
+            verify_time_s=0.6,
+            overhead_time_s=0.2,
+            accepted_per_position=[2, 1],
+            drafted_per_position=[2, 2],
+        ),
+    ]
+    results = [
+        PromptResult(
+            BenchPrompt(str(i), "c", prompt="x"),
+            {
+                "target_only": _service_run("target_only", b, tokens, seconds, 1.0),
+                "speculative": _service_run("speculative", s, tokens, seconds / 2, 0.5),
+            },
+        )
+        for i, (b, s, tokens, seconds) in enumerate(zip(base, spec, (11, 6), (4.0, 2.0)))
+    ]
+    row = summarize(results, greedy=True)["speculative"]
+    assert row["tokens_per_second"] == pytest.approx(17 / 3.0)
+    assert row["speedup"] == pytest.approx(2.0)
+    assert row["decode_speedup"] == pytest.approx((15 / 2.0) / (15 / 4.0))
+    assert row["acceptance_rate"] == pytest.approx(9 / 12)
+    assert row["tokens_per_round"] == pytest.approx((9 + 6) / 6)
+    assert row["mean_k"] == pytest.approx(12 / 6)
+    assert row["overhead_ms_per_round"] == pytest.approx(1e3 * 0.6 / 6)
+    assert row["acceptance_per_position"] == pytest.approx([6 / 6, 3 / 6])
+    # 2.5 tokens per round x a target step (4 s of decode verify over 15 steps) / a round's
+    # compute (3 s over 6 rounds).
+    assert row["predicted_speedup"] == pytest.approx(2.5 * (4.0 / 15) / 0.5)
+    assert row["exact_share"] == 1.0
 
 
 def test_run_splits_ttft_from_decode_time():

@@ -1,4 +1,4 @@
-"""specdec.pairs.bundled's join / verify / stamp logic, on small fake parts (fast; no models needed).
+"""specdec.pairs.bundled's join / verify / stamp logic, on small fake parts (fast, no models).
 
 These tests do not need the bundled pair, so they carry no ``e2e`` marker.
 """

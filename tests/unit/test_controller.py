@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from specdec.config import SpeculationConfig
 from specdec.decoding.controller import (
     PROBE_EVERY,
     AcceptanceEstimator,
@@ -11,6 +14,14 @@ from specdec.decoding.controller import (
     KController,
     expected_tokens,
 )
+
+
+def _config(k_max: int = 8, dynamic: bool = False) -> SpeculationConfig:
+    return SpeculationConfig(max_speculative_tokens=k_max, dynamic_draft_length=dynamic)
+
+
+def _set_dynamic(controller: KController, dynamic: bool) -> None:
+    controller.config = dataclasses.replace(controller.config, dynamic_draft_length=dynamic)
 
 
 @pytest.mark.parametrize(
@@ -22,11 +33,11 @@ def test_expected_tokens_per_round(a, k, expected):
 
 def _controller(acceptance, verify_s, draft_per_token, k_max=8):
     """A controller whose costs were measured at every k and whose acceptance has converged."""
-    costs = CostModel(k_max)
+    costs = CostModel(_config(k_max))
     for k in range(k_max + 1):
         for _ in range(30):
             costs.observe(k, draft_per_token * k, verify_s(k), 0.001)
-    controller = KController(costs, k_max)
+    controller = KController(costs, _config(k_max))
     for _ in range(200):
         controller.acceptance.observe(4, round(4 * acceptance) if acceptance < 1 else 4)
     return controller
@@ -53,7 +64,7 @@ def test_limit_caps_k_and_fixed_k_is_respected():
     controller = _controller(1.0, lambda k: 0.1, draft_per_token=0.001)
     assert controller.choose(limit=3).k == 3
     assert controller.choose(limit=0).k == 0
-    fixed = KController(CostModel(8), 8, fixed_k=5)
+    fixed = KController(CostModel(_config()), _config(), fixed_k=5)
     assert fixed.choose(limit=100).k == 5 and fixed.choose(limit=2).k == 2
 
 
@@ -81,10 +92,10 @@ class _FixedRate:
 
 def _dynamic(verify_s):
     """Acceptance 0.8, a draft step 50 ms, 1 ms orchestration, the given verify cost per k."""
-    costs = CostModel(8)
+    costs = CostModel(_config())
     for k in range(9):
         costs.observe(k, 0.05 * k, verify_s(k), 0.001)
-    return KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
+    return KController(costs, _config(dynamic=True), acceptance=_FixedRate())
 
 
 @pytest.mark.parametrize(
@@ -102,22 +113,22 @@ def _dynamic(verify_s):
 def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor(verify_s, floor):
     controller = _dynamic(verify_s)
     assert controller.choose(limit=100) == (8, pytest.approx(floor, rel=1e-3))
-    controller.dynamic_length = False
+    _set_dynamic(controller, False)
     assert controller.choose(limit=100) == (4, 0.0)
-    controller.dynamic_length = True
+    _set_dynamic(controller, True)
     assert controller.choose(limit=3).k == 3
 
 
 def test_dynamic_length_waits_for_a_measured_draft_step():
-    costs = CostModel(8)
+    costs = CostModel(_config())
     costs.observe(0, 0.0, 0.3, 0.001)  # target-only rounds only: no draft cost known yet
-    controller = KController(costs, 8, dynamic_length=True, acceptance=_FixedRate())
+    controller = KController(costs, _config(dynamic=True), acceptance=_FixedRate())
     assert controller.choose(limit=100) == (controller.initial_k, 0.0)
 
 
 def test_dynamic_length_keeps_plain_decoding_and_fixed_k_without_a_floor():
     plain = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
-    plain.dynamic_length = True
+    _set_dynamic(plain, True)
     assert plain.choose(limit=100) == (0, 0.0)
-    fixed = KController(CostModel(8), 8, fixed_k=5, dynamic_length=True)
+    fixed = KController(CostModel(_config()), _config(dynamic=True), fixed_k=5)
     assert fixed.choose(limit=100) == (5, 0.0)

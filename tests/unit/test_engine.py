@@ -158,7 +158,9 @@ def test_streamed_deltas_concatenate_to_the_text(engine):
 
 
 def test_same_seed_same_output_and_different_seeds_differ(engine):
-    params = lambda seed: SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed)
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed)
+
     a = engine.generate(PROMPTS[0], params(11), 4)
     assert engine.generate(PROMPTS[0], params(11), 4).token_ids == a.token_ids
     outputs = {tuple(engine.generate(PROMPTS[0], params(s), 4).token_ids) for s in range(5)}
@@ -283,10 +285,8 @@ def test_a_call_finishing_after_its_release_does_not_store_the_session_again(eng
 
 
 def test_draft_prefilled_by_its_first_propose_gives_the_same_output(engine):
-    import dataclasses
-
     concurrent = engine.config
-    engine.config = dataclasses.replace(concurrent, concurrent_prefill=False)
+    engine.config = concurrent.with_settings(concurrent_prefill=False)
     try:
         for prompt in PROMPTS[:4]:
             sequential = engine.generate(prompt, GREEDY, num_speculative_tokens=3)

@@ -19,8 +19,53 @@ def bf16_engine(tiny_pair):
 
 
 def test_half_precision_turns_the_fixed_width_on(bf16_engine, engine):
-    assert bf16_engine.transport.verifier.fixed_width == bf16_engine.config.k_max + 1
+    k_max = bf16_engine.config.speculation.max_speculative_tokens
+    verifier = bf16_engine.transport.verifier
+    # The width is measured on this device: the smallest position-invariant one >= k_max + 1.
+    assert verifier.calibration.invariant
+    assert verifier.fixed_width == verifier.calibration.width >= k_max + 1
     assert engine.transport.verifier.fixed_width is None  # float32: off unless asked
+    assert engine.transport.verifier.calibration is None
+
+
+class _MiddleRowApart(torch.nn.Module):
+    """A linear layer whose kernel computes the middle row of an odd-width call its own way, as
+    a two-thread GEMM on some CPUs does (found on the tiny target's bfloat16 lm_head)."""
+
+    def __init__(self, inner: torch.nn.Linear, apart=lambda width: width % 2 == 1) -> None:
+        super().__init__()
+        self.inner, self.apart = inner, apart
+        self.weight = inner.weight
+
+    def forward(self, x):
+        out = self.inner(x)
+        width = x.shape[-2]
+        if self.apart(width):
+            out = out.clone()
+            out[..., width // 2, :] += 1.0
+        return out
+
+
+def _calibrate(tiny_pair, apart, min_width):
+    from specdec.models.fixed_shape import calibrate_fixed_width, use_row_wise_attention
+
+    loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
+    loaded.model.lm_head = _MiddleRowApart(loaded.model.lm_head, apart)
+    use_row_wise_attention(loaded.model)
+    return calibrate_fixed_width(loaded.model, loaded.vocab_size, min_width, time_budget_s=0.1)
+
+
+def test_calibration_skips_widths_whose_rows_depend_on_their_position(tiny_pair):
+    calibration = _calibrate(tiny_pair, lambda width: width % 2 == 1, 9)
+    assert calibration.tried == {9: False, 10: True}
+    assert calibration.width == 10 and calibration.invariant
+
+
+def test_calibration_without_an_invariant_width_says_so(tiny_pair):
+    calibration = _calibrate(tiny_pair, lambda width: True, 5)
+    assert not calibration.invariant
+    assert calibration.width == 5
+    assert list(calibration.tried) == list(range(5, 14)) and not any(calibration.tried.values())
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])

@@ -1,4 +1,4 @@
-"""specdec.tools.loadtest without Ray: stage parsing, statistics, and a run against a fake gRPC server."""
+"""specdec.tools.loadtest without Ray: stage parsing, statistics, a run on a fake gRPC server."""
 
 from __future__ import annotations
 

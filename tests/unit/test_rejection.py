@@ -59,7 +59,7 @@ def test_sampled_tokens_follow_the_target_distribution_and_a_broken_residual_is_
     assert stats.chisquare(good, _expected(p[0], n)).pvalue > 1e-3
 
     # The classic bug: resampling from p instead of norm(max(0, p - q)) after a rejection.
-    monkeypatch.setattr(speculative, "residual_distribution", lambda p_row, q_row: p_row)
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p_row, q_row: p_row)
     broken = _first_token_counts(p, q, n, seed=1)
     assert stats.chisquare(broken, _expected(p[0], n)).pvalue < 1e-6
 

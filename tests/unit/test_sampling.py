@@ -47,7 +47,9 @@ def test_truncate_top_n_is_sparse_and_normalised():
 
 
 def test_request_generator_is_keyed_by_seed_stream_and_position():
-    draw = lambda *key: torch.rand(4, generator=request_generator(*key)).tolist()
+    def draw(*key) -> list[float]:
+        return torch.rand(4, generator=request_generator(*key)).tolist()
+
     assert draw(7, "draft", 10) == draw(7, "draft", 10)
     assert (
         len(

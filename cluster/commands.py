@@ -1,0 +1,32 @@
+"""`specdec cluster up|down|status`: the local multi-node Ray cluster from the command line, over
+the public functions of ``specdec.cluster.local``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec cluster`."""
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--state-dir", help="where the cluster records its processes")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Starts, stops or describes the cluster recorded in --state-dir; prints one summary.
+
+    Raises:
+        RuntimeError: a node failed to start (up), or this process is connected to another
+        Ray cluster (status).
+    """
+    from specdec.cluster import local
+
+    if args.action == "up":
+        info = local.up(args.state_dir)
+        print(f"local cluster up at {info.address} ({len(info.nodes)} nodes)")
+    elif args.action == "down":
+        pids = local.down(args.state_dir)
+        print(f"stopped {len(pids)} processes" if pids else "no local cluster was running")
+    else:
+        print(local.format_status(local.status(args.state_dir)))
+    return 0

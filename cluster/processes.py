@@ -1,0 +1,251 @@
+"""The processes of a local cluster: starting a node, finding its processes, stopping them.
+
+Each node is one ``ray start --block`` subprocess that we start as the leader of a new
+session. Everything that node spawns (GCS, raylet, agents, and the workers the raylet forks,
+which Ray moves into their own process groups but not out of the session) keeps that session
+id, and also inherits a marker variable ``SPECDEC_CLUSTER_ID=<id>`` in its environment.
+``cluster_pids`` finds exactly the processes matching either rule, and nothing else: no
+``ray stop``, no ``pkill``. Linux only (reads ``/proc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from specdec.cluster.state import MARKER_ENV, ROLE_LABEL, ClusterInfo, NodeProcess
+
+# ---------------------------------------------------------------- /proc
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, session id, start ticks) of a process, or None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    rest = text[text.rindex(")") + 2 :].split()
+    return rest[0], int(rest[3]), int(rest[19])
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie has already exited)."""
+    st = proc_stat(pid)
+    return st is not None and st[0] not in "ZX"
+
+
+def owned(node: NodeProcess) -> bool:
+    """True while ``node.pid`` is still the process we started (not a recycled pid)."""
+    st = proc_stat(node.pid)
+    return st is not None and st[0] not in "ZX" and st[2] == node.start_ticks
+
+
+def has_marker(pid: int, cluster_id: str) -> bool:
+    """True when ``pid``'s environment carries ``SPECDEC_CLUSTER_ID=<cluster_id>``."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{MARKER_ENV}={cluster_id}".encode() in env.split(b"\0")
+
+
+def cluster_pids(info: ClusterInfo, *, marker: bool = True) -> list[int]:
+    """Live pids that belong to this cluster, sorted.
+
+    A process belongs if it carries our environment marker (only looked at with ``marker``),
+    or if it is in the session of one of our node roots and started no earlier than that root
+    (so a recycled session id of a stranger never matches).
+    """
+    roots = {n.pid: n.start_ticks for n in info.nodes}
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        st = proc_stat(pid)
+        if st is None or st[0] in "ZX":
+            continue
+        in_session = st[1] in roots and st[2] >= roots[st[1]]
+        if in_session or (marker and has_marker(pid, info.cluster_id)):
+            found.append(pid)
+    return sorted(found)
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Total resident set size of ``pids`` in bytes; pids that are gone count 0."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+    return total
+
+
+# ---------------------------------------------------------------- start
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    # Hold all sockets open together so the n ports are distinct; the kernel will not hand
+    # them out again for a while, which leaves Ray time to bind them.
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def ray_executable() -> str:
+    """Path of the ``ray`` CLI of this interpreter; raises RuntimeError when it is missing."""
+    exe = Path(sys.executable).parent / "ray"
+    if not exe.exists():
+        raise RuntimeError(f"no `ray` executable next to {sys.executable}; install ray[serve]")
+    return str(exe)
+
+
+def node_env(cluster_id: str) -> dict[str, str]:
+    """The environment of a node's ``ray start``: ours, marked with ``cluster_id``."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # never let a user's RAY_ADDRESS steer our nodes
+    env.update(
+        {
+            MARKER_ENV: cluster_id,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_DEDUP_LOGS": "0",
+            # On SIGTERM a node otherwise drains for up to 30 s to protect in-flight traffic;
+            # down() stops the whole cluster, so there is no traffic to protect.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        }
+    )
+    # Unset, Ray turns token auth on whenever ~/.ray/auth_token happens to exist, and then
+    # drivers connecting with an explicit address are refused. Be explicit; honour a choice
+    # the caller made in their environment (their drivers will share it).
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    return env
+
+
+def start_node(
+    info: ClusterInfo,
+    role: str,
+    *,
+    num_cpus: int,
+    resources: Mapping[str, float],
+    object_store_bytes: int,
+    agent_port: int,
+) -> NodeProcess:
+    """Starts one node of ``info``'s cluster as ``ray start --block`` in a new session.
+
+    The head ("head") binds ``info``'s GCS, dashboard and client ports; any other role joins
+    ``info.address``. ``object_store_bytes`` is in bytes; ``agent_port`` is the node's
+    dashboard agent port. Returns at once, without waiting for the node to be up; its output
+    goes to ``<state_dir>/logs/<role>.log``. Raises RuntimeError when ``ray`` is not installed.
+    """
+    temp_dir = Path(info.temp_root) / role
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(info.state_dir) / "logs" / f"{role}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        ray_executable(),
+        "start",
+        "--block",  # keeps `ray start` alive as the root of this node's process tree
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        f"--resources={json.dumps(dict(resources))}",
+        f"--labels={ROLE_LABEL}={role}",
+        f"--node-name=specdec-{role}",
+        f"--object-store-memory={object_store_bytes}",
+        f"--temp-dir={temp_dir}",
+        f"--dashboard-agent-listen-port={agent_port}",  # default 52365 would collide
+        "--min-worker-port=0",  # 0/0: any free port; the default range is shared by all nodes
+        "--max-worker-port=0",
+        "--disable-usage-stats",
+        "--log-style=record",
+    ]
+    if role == "head":
+        cmd += [
+            "--head",
+            f"--port={info.gcs_port}",
+            "--include-dashboard=false",
+            "--dashboard-host=127.0.0.1",
+            # A headless API server still starts and binds this port (default 8265 collides).
+            f"--dashboard-port={info.dashboard_port}",
+            f"--ray-client-server-port={info.client_port}",
+        ]
+    else:
+        cmd.append(f"--address={info.address}")
+    with open(log_path, "wb") as log:  # fresh per up(), like the Ray temp dir
+        proc = subprocess.Popen(
+            cmd,
+            env=node_env(info.cluster_id),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own session: survives our exit and terminal Ctrl-C
+        )
+    st = proc_stat(proc.pid)
+    return NodeProcess(
+        role=role,
+        pid=proc.pid,
+        start_ticks=st[2] if st else 0,
+        resources=dict(resources),
+        num_cpus=num_cpus,
+        temp_dir=str(temp_dir),
+        log_path=str(log_path),
+    )
+
+
+# ---------------------------------------------------------------- stop
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    """Sends ``sig`` to each pid, skipping those that are gone or not ours to signal."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def reap(pids: list[int]) -> None:
+    """Collects the exit status of those ``pids`` that are exited children of this process."""
+    # Roots started by this very process turn into zombies until waited for.
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def stop_nodes(info: ClusterInfo, nodes: list[NodeProcess], seen: set[int], grace_s: float) -> None:
+    """SIGTERM the roots of ``nodes``, wait for their own cleanup, then SIGTERM what is left.
+
+    Waits up to ``grace_s`` seconds for the roots, then up to min(grace_s, 3) seconds for the
+    leftovers. Leftovers are orphans: e.g. a node's dashboard/runtime-env agents survive for
+    minutes when its ``ray start`` root was killed hard. Every pid seen is added to ``seen``.
+    """
+    roots = [n.pid for n in nodes if owned(n)]
+    sub = replace(info, nodes=tuple(nodes))
+    seen |= set(cluster_pids(sub, marker=False))
+    signal_pids(roots, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in roots):
+        reap(roots)
+        seen |= set(cluster_pids(sub, marker=False))  # workers forked during shutdown
+        time.sleep(0.1)
+    orphans = cluster_pids(sub, marker=False)
+    seen |= set(orphans)
+    signal_pids(orphans, signal.SIGTERM)
+    deadline = time.monotonic() + min(grace_s, 3.0)
+    while time.monotonic() < deadline and cluster_pids(sub, marker=False):
+        time.sleep(0.1)

@@ -1,0 +1,179 @@
+"""The OpenAI-compatible HTTP API, served by the router deployment on Serve's HTTP port (8000).
+
+Routes (under the application's route prefix, ``/specdec`` in the shipped configs, so the OpenAI
+base URL is ``http://HOST:8000/specdec/v1``): ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (both unary or, with ``"stream": true``, server-sent events ending in
+``data: [DONE]``) and ``GET /v1/models``.
+
+Why on the router deployment itself (``@serve.ingress(HTTP_APP)`` on SpeculativeRouter, with
+OpenAIRoutes as a mixin) rather than a thin ingress deployment in front of it: a request's rounds
+already run in the router, so an HTTP request runs them where a gRPC request does, through the
+same validation, RoundLoop, metrics and stats; an ingress deployment would add a handle call per
+streamed round, and a deployment to scale and keep ready. Serve's HTTP proxy sends HTTP requests
+to the replica's ASGI app and its gRPC proxy calls the gRPC methods by name, so both APIs share
+each router replica.
+
+specdec.openai_api holds the mapping (request bodies to GenerateRequests, completion objects,
+stream chunks, error objects); this module only moves bytes and maps failures to statuses.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdec import openai_api
+from specdec.decoding.round_loop import RoundLoop
+from specdec.errors import InvalidRequestError
+from specdec.openai_api import OpenAIError, OpenAIRequest, Responder
+
+log = logging.getLogger("ray.serve")
+HTTP_APP = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
+# Metric labels of HTTP failures: the gRPC status names the gRPC API records, so a dashboard
+# counts errors by code across both APIs.
+_CODE_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 500: "INTERNAL", 503: "UNAVAILABLE"}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIError:
+    """Any failure as an OpenAIError: the router's InvalidRequestError as a 400 naming the
+    OpenAI field, ServiceUnavailable as 503, anything else as 500 (the router's grpc_status
+    decides, so both APIs classify alike; never a traceback)."""
+    if isinstance(err, OpenAIError):
+        return err
+    if isinstance(err, InvalidRequestError):
+        if parsed is None:
+            return OpenAIError.bad(err.field, err.message)
+        return parsed.invalid(err)
+    # Imported here: router.py imports this module to mount HTTP_APP on itself.
+    from specdec.deployments.router import grpc_status
+
+    code, message = grpc_status(err)
+    status = {"UNAVAILABLE": 503}.get(code.name, 500)
+    return OpenAIError(status, message, None, code.name.lower())
+
+
+class OpenAIRoutes:
+    """The HTTP routes, a mixin of SpeculativeRouter (``@serve.ingress(HTTP_APP)`` there).
+
+    Uses the router's ``tokenizer``, ``metrics``, ``_model_info()`` (ServiceUnavailable when
+    the replicas do not answer), ``_round_loop(GenerateRequest)`` (validates and tokenizes,
+    InvalidRequestError naming the field) and ``_succeed(method, completion, start)``.
+    """
+
+    @HTTP_APP.get("/v1/models")
+    async def list_models(self) -> Response:
+        """The served model (the target; its id goes in requests' ``model``), the draft in
+        ``draft_model`` and the context limit (tokens) in ``max_model_len``."""
+        try:
+            draft, target = await self._model_info()
+        except Exception as err:  # noqa: BLE001 - every failure becomes an error object
+            return self._http_error_response("/v1/models", err, None)
+        model = {
+            "id": target["name"],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "specdec",
+            "draft_model": draft["name"],
+            "max_model_len": min(draft["context_limit"], target["context_limit"]),
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @HTTP_APP.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """OpenAI's completions (``prompt``); see specdec.openai_api for the fields."""
+        return await self._http_serve(request, openai_api.COMPLETIONS)
+
+    @HTTP_APP.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """OpenAI's chat completions (``messages``, the target's chat template)."""
+        return await self._http_serve(request, openai_api.CHAT)
+
+    async def _http_serve(self, http_request: Request, endpoint: str) -> Response:
+        """Parses and validates before answering (a bad request is a 400, never a stream that
+        fails), then answers whole or as server-sent events."""
+        method = openai_api.PATHS[endpoint]
+        start = time.perf_counter()
+        parsed = None
+        try:
+            parsed = openai_api.parse(endpoint, await _json_body(http_request))
+            _, target = await self._model_info()
+            parsed.check_model(target["name"])
+            loop = await self._round_loop(parsed.request)
+        except Exception as err:  # noqa: BLE001
+            return self._http_error_response(method, err, parsed)
+        responder = Responder(parsed, target["name"], self._http_token_text)
+        if parsed.stream:
+            events = self._http_events(loop, responder, method, start)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        try:
+            async with contextlib.aclosing(loop.run()) as deltas:
+                async for _ in deltas:
+                    pass
+        except asyncio.CancelledError:  # the client went away: run() has released the session
+            self.metrics.record_request(method, "CANCELLED")
+            raise
+        except Exception as err:  # noqa: BLE001
+            return self._http_error_response(method, err, parsed)
+        self._succeed(method, loop.completion, start)
+        return JSONResponse(responder.response(loop.completion))
+
+    async def _http_events(
+        self, loop: RoundLoop, responder: Responder, method: str, start: float
+    ) -> AsyncIterator[bytes]:
+        """The stream: one chunk per round with new text, the finish chunk with the stats (and
+        the usage chunk), ``data: [DONE]``. A failure mid-stream is an error event before
+        [DONE]. A client that disconnects cancels this generator (or closes it); either reaches
+        RoundLoop.run, whose finally releases both sides' caches."""
+        for chunk in responder.first_chunks():
+            yield openai_api.sse(chunk)
+        try:
+            async with contextlib.aclosing(loop.run()) as deltas:
+                async for delta in deltas:
+                    for chunk in responder.delta_chunks(delta):
+                        yield openai_api.sse(chunk)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.record_request(method, "CANCELLED")
+            raise
+        except Exception as err:  # noqa: BLE001
+            error = self._http_failure(method, err, responder.request)
+            yield openai_api.sse(error.body())
+            yield openai_api.DONE
+            return
+        self._succeed(method, loop.completion, start)
+        for chunk in responder.final_chunks(loop.completion):
+            yield openai_api.sse(chunk)
+        yield openai_api.DONE
+
+    def _http_token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def _http_failure(
+        self, method: str, err: Exception, parsed: OpenAIRequest | None
+    ) -> OpenAIError:
+        """``err`` as an OpenAIError, counted in the request metrics by its gRPC code name
+        (internal errors logged with their traceback)."""
+        error = _as_openai_error(err, parsed)
+        if error.status == 500:
+            log.error("%s failed", method, exc_info=err)
+        self.metrics.record_request(method, _CODE_NAMES.get(error.status, "INTERNAL"))
+        return error
+
+    def _http_error_response(
+        self, method: str, err: Exception, parsed: OpenAIRequest | None
+    ) -> JSONResponse:
+        error = self._http_failure(method, err, parsed)
+        return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _json_body(request: Request) -> object:
+    """The parsed JSON body. Raises OpenAIError (400) when it is not JSON."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise OpenAIError.bad(None, f"the request body is not valid JSON: {err}") from None

@@ -1,0 +1,388 @@
+"""specdec's settings: one frozen object per concern, parsed once and passed whole.
+
+The Serve application's flat ``args`` (deployments/config/*.yaml) become a SpecdecConfig through
+SpecdecConfig.from_args, SpeculativeEngine's keyword arguments through SpecdecConfig.of; the
+round loop, proposer, verifier, router and deployments read that object and repeat no default.
+Every default lives here only, with its unit and meaning in the docstring under the field.
+README.md's configuration reference is generated from those docstrings (``python -m
+specdec.config``), and tests/unit/test_config.py fails when the two drift.
+
+This module imports neither Ray nor torch: the CLI and the deploy code parse a config without
+loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import os
+import re
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import ConfigError
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "int8")
+SIDES = ("draft", "target")
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+class _Section:
+    """What the concerns share: each value checked against its field's annotation (ints and
+    floats never accept a bool; a float field accepts an int and stores it as a float), then the
+    concern's own range checks (``_check``)."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value = _typed(field.name, getattr(self, field.name), hints[field.name])
+            object.__setattr__(self, field.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Raises ConfigError naming the first setting out of its range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    """models: which draft and target to load, in what dtype, where, and their caches."""
+
+    draft_model: str | None = None
+    """The draft model: a local Hugging Face directory, a cached model id, a `.gguf` path or
+    `bundled:draft`; `~` and environment variables are expanded. Required in the Serve
+    application's args (SpeculativeEngine takes loaded models instead)."""
+
+    target_model: str | None = None
+    """The target model, as `draft_model` (`bundled:target` for the bundled pair)."""
+
+    dtype: str = "float32"
+    """The target's dtype, and the draft's unless `draft_dtype` is set: `float32`, `bfloat16`,
+    `float16` or `int8` (CPU only). A bundled model is converted once into it (`int8` starts
+    from the `bfloat16` conversion)."""
+
+    draft_dtype: str | None = None
+    """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
+    (`int8` halves a CPU draft step) changes speed, never the output."""
+
+    device: str = "cpu"
+    """Where both models run: `cpu`, `cuda`, `cuda:N` (or `mps`, `xpu`)."""
+
+    cache_capacity_bytes: int = 2 * 1024**3
+    """Bound of one model's session KV caches (an LRU), in bytes of key and value tensors: per
+    replica, or per model in SpeculativeEngine. An evicted session is rebuilt from its token
+    ids: slower, never wrong."""
+
+    fixed_shape_verify: bool | None = None
+    """Run every target decode forward over one fixed width, so that greedy output cannot
+    depend on k through rounding: the smallest width >= `max_speculative_tokens` + 1 that the
+    target replica measures at start-up to give every row the same result wherever it sits in
+    the call (null: on when the target runs in bfloat16 or float16)."""
+
+    def for_side(self, side: str) -> tuple[str | None, str]:
+        """(model, dtype) that the "draft" or "target" side loads."""
+        if side == "draft":
+            return self.draft_model, self.draft_dtype or self.dtype
+        return self.target_model, self.dtype
+
+    def _check(self) -> None:
+        for name in ("draft_model", "target_model"):
+            _require(name, getattr(self, name) != "", "must not be empty")
+        for name in ("dtype", "draft_dtype"):
+            value = getattr(self, name)
+            _require(
+                name,
+                value is None or value in MODEL_DTYPES,
+                f"must be one of {list(MODEL_DTYPES)}, got {value!r}",
+            )
+        _require(
+            "device",
+            _DEVICE.fullmatch(self.device) is not None,
+            f"must be cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
+        )
+        if not self.device.startswith("cpu"):
+            int8 = "dtype" if self.dtype == "int8" else "draft_dtype"
+            _require(
+                int8,
+                "int8" not in (self.dtype, self.draft_dtype),
+                f"int8 runs on the CPU only, device is {self.device!r}",
+            )
+        _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig(_Section):
+    """speculation: how each request's rounds draft and verify."""
+
+    max_speculative_tokens: int = 8
+    """k_max, in tokens: the most draft tokens one round may propose, and the largest
+    `num_speculative_tokens` a request may ask for (at least 1)."""
+
+    draft_top_n: int = 64
+    """When sampling, the draft draws each token from its N most likely tokens and sends that
+    sparse distribution q to the target; N in tokens, 0 for the whole vocabulary. Output stays
+    exact for any N."""
+
+    dynamic_draft_length: bool = True
+    """Adaptive rounds (k `auto`) draft up to `max_speculative_tokens` tokens and stop where the
+    draft's confidence says one more token no longer pays; false drafts exactly the chosen k.
+    A request's fixed k always drafts exactly k."""
+
+    concurrent_prefill: bool = True
+    """Prefill the draft while the target prefills (right when they run on separate devices);
+    false leaves the draft's prefill to its first round, after the first token (right when both
+    share a CPU's cores, where running both at once slows the target's prefill, the time to
+    first token, as much as it saves)."""
+
+    def _check(self) -> None:
+        _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
+        _at_least("draft_top_n", self.draft_top_n, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig(_Section):
+    """service: the router's timeouts and the pools it reports."""
+
+    call_timeout_s: float = 300.0
+    """Seconds one propose or verify call may take before the router retries it (Serve routes
+    the retry to a live replica)."""
+
+    unavailable_after_s: float = 30.0
+    """Seconds of failed retries, or of waiting for the replicas' model info, after which a
+    request fails with UNAVAILABLE."""
+
+    draft_pool: str = "draft_pool"
+    """The Ray custom resource of the draft replicas, as GetModelInfo reports it (the config's
+    `ray_actor_options` place the replicas)."""
+
+    target_pool: str = "target_pool"
+    """The Ray custom resource of the target replicas, as `draft_pool`."""
+
+    def _check(self) -> None:
+        for name in ("call_timeout_s", "unavailable_after_s"):
+            value = getattr(self, name)
+            _require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
+        for name in ("draft_pool", "target_pool"):
+            _require(name, getattr(self, name) != "", "must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecdecConfig:
+    """Every setting, one concern per field; built by from_args (the Serve application) or of
+    (SpeculativeEngine). Settings have flat names, unique across the concerns.
+
+    Raises:
+        ConfigError naming the setting (a concern that is not of its class).
+    """
+
+    models: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
+    service: ServiceConfig = dataclasses.field(default_factory=ServiceConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            _require(name, isinstance(value, cls), f"must be a {cls.__name__}, got {value!r}")
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] | None) -> SpecdecConfig:
+        """Parses the Serve application's flat ``args`` (the keys are the settings' names).
+
+        ``draft_model`` and ``target_model`` are required; ``~`` and environment variables in
+        them are expanded here.
+
+        Raises:
+            ConfigError naming the first unknown, missing or invalid setting.
+        """
+        if args is None:
+            args = {}
+        _require("args", isinstance(args, Mapping), f"must be a mapping, got {args!r}")
+        config = cls().with_settings(**{str(key): value for key, value in args.items()})
+        paths = {}
+        for name in ("draft_model", "target_model"):
+            value = getattr(config.models, name)
+            _require(name, value is not None, "required (a model directory, id or .gguf path)")
+            paths[name] = os.path.expandvars(os.path.expanduser(value))
+        return config.with_settings(**paths)
+
+    @classmethod
+    def of(
+        cls,
+        config: SpecdecConfig | ModelConfig | SpeculationConfig | ServiceConfig | None = None,
+        **settings: Any,
+    ) -> SpecdecConfig:
+        """The whole config from a whole one, one concern (the others default) or None (all
+        default), with the named flat ``settings`` replaced.
+
+        Raises:
+            ConfigError naming an unknown or invalid setting, or a config of another type.
+        """
+        if config is None:
+            config = cls()
+        elif not isinstance(config, cls):
+            name = next((n for n, c in _SECTIONS.items() if isinstance(config, c)), None)
+            _require("config", name is not None, f"must be a config object, got {config!r}")
+            config = cls(**{name: config})
+        return config.with_settings(**settings) if settings else config
+
+    def with_settings(self, **settings: Any) -> SpecdecConfig:
+        """A copy with the named flat settings replaced (each routed to its concern).
+
+        Raises:
+            ConfigError naming the first unknown or invalid setting.
+        """
+        unknown = sorted(set(settings) - set(_SECTION_OF))
+        if unknown:
+            others = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+            raise ConfigError(
+                unknown[0], f"unknown setting{others}; known: {', '.join(_SECTION_OF)}"
+            )
+        changed = {}
+        for name in _SECTIONS:
+            own = {k: v for k, v in settings.items() if _SECTION_OF[k] == name}
+            if own:
+                changed[name] = dataclasses.replace(getattr(self, name), **own)
+        return dataclasses.replace(self, **changed)
+
+    def to_args(self) -> dict[str, Any]:
+        """The flat settings, as from_args reads them."""
+        return {
+            field.name: getattr(getattr(self, section), field.name)
+            for section, cls in _SECTIONS.items()
+            for field in dataclasses.fields(cls)
+        }
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    field.name: field.default_factory for field in dataclasses.fields(SpecdecConfig)
+}
+_SECTION_OF: dict[str, str] = {
+    field.name: section for section, cls in _SECTIONS.items() for field in dataclasses.fields(cls)
+}
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """``value`` if it fits the annotation ``hint`` (int, float, bool, str, or one of them |
+    None), an int made a float for a float field; raises ConfigError naming ``name``."""
+    optional = isinstance(hint, types.UnionType)
+    base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
+    if value is None and optional:
+        return None
+    if base in (int, float) and isinstance(value, bool):
+        fits = False
+    elif base is float and isinstance(value, int):
+        fits, value = True, float(value)
+    else:
+        fits = isinstance(value, base)
+    words = _TYPE_WORDS[base] + (" or null" if optional else "")
+    _require(name, fits, f"must be {words}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _require(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    _require(name, value >= low, f"must be at least {low}, got {value}")
+
+
+# The README's reference section, generated from the docstrings above.
+
+README_START = "<!-- config-reference:start -->"
+README_END = "<!-- config-reference:end -->"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: the docstring under it, on one line} of a config class, read from source.
+
+    Raises:
+        ValueError: a field without a docstring.
+    """
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+    if missing:
+        raise ValueError(f"{cls.__name__}: no docstring under {missing}")
+    return docs
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference: one table per concern (setting, default, meaning)."""
+    intro = (
+        "Generated from `specdec/config.py` by `python -m specdec.config`. Each setting is a key "
+        "of the Serve application's `args` (`deployments/config/*.yaml`) and a keyword argument "
+        "of `SpeculativeEngine.from_pretrained` (in one process the `service` settings have no "
+        "effect). A bad value or an unknown key stops the application at start-up with a message "
+        "that starts with the setting's name."
+    )
+    parts = [textwrap.fill(intro, width=100, break_on_hyphens=False)]
+    for section, cls in _SECTIONS.items():
+        title = inspect.getdoc(cls).split(":", 1)[1].strip().rstrip(".")
+        rows = [
+            f"### `{section}` ({cls.__name__}): {title}",
+            "",
+            "| setting | default | meaning |",
+            "|---|---|---|",
+        ]
+        docs = field_docs(cls)
+        for field in dataclasses.fields(cls):
+            meaning = docs[field.name].replace("|", "\\|")
+            rows.append(f"| `{field.name}` | `{_yaml(field.default)}` | {meaning} |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def render_readme(text: str) -> str:
+    """``text`` (a README) with the reference between its markers replaced by
+    reference_markdown().
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README lacks {README_START} ... {README_END}")
+    return text[: start + len(README_START)] + "\n" + reference_markdown() + text[end:]
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the reference; ``--write README.md`` replaces the file's marked section."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.config", description=main.__doc__)
+    parser.add_argument("--write", metavar="README", help="update this file's marked section")
+    args = parser.parse_args(argv)
+    if not args.write:
+        sys.stdout.write(reference_markdown())
+        return 0
+    path = Path(args.write)
+    path.write_text(render_readme(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

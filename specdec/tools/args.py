@@ -1,0 +1,110 @@
+"""Argument types and look-ups shared by the `specdec` subcommands (specdec.cli dispatches to
+each tool's ``add_cli_args`` and ``main``; the tools take their common pieces from here).
+
+Imports nothing heavy: `specdec generate` builds its parser from this module and must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_CONFIG = "local.yaml"  # looked up in the packaged deployments/config/ when not a path
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1 (argparse names the flag).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def k_value(text: str) -> int | None:
+    """argparse type of --k, speculative tokens per round: None for "auto", else the integer.
+
+    The range is left to the server, which knows its k_max and refuses a bad k naming it.
+
+    Raises:
+        argparse.ArgumentTypeError: neither "auto" nor an integer.
+    """
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
+
+
+def add_k_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """Adds --k (type k_value, default "auto" meaning the server's controller chooses)."""
+    parser.add_argument("--k", default="auto", type=k_value, help=help_text)
+
+
+def config_path(name: str) -> Path:
+    """A Serve config YAML: ``name`` when it is an existing path, else the file of that name
+    shipped in deployments/config/ (local.yaml, gpu.yaml).
+
+    Raises:
+        FileNotFoundError: neither; the message lists the shipped names.
+    """
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = Path(str(importlib.resources.files("specdec.deployments") / "config" / name))
+    if shipped.exists():
+        return shipped
+    raise FileNotFoundError(
+        f"no Serve config {name!r} (neither a file nor one of "
+        f"{sorted(p.name for p in shipped.parent.glob('*.yaml'))})"
+    )
+
+
+def grpc_port(config: Path) -> int:
+    """The gRPC port (grpc_options.port) a Serve config YAML file serves on.
+
+    Raises:
+        OSError: the file cannot be read. KeyError: the config has no grpc_options.port.
+    """
+    import yaml
+
+    return yaml.safe_load(config.read_text())["grpc_options"]["port"]
+
+
+def openai_base_url(config: Path, application: str = "specdec") -> str:
+    """The OpenAI-compatible API's base URL (``http://127.0.0.1:PORT/PREFIX/v1``) of a Serve
+    config YAML file: its http_options.port and the application's route_prefix.
+
+    Raises:
+        OSError: the file cannot be read. KeyError: no http_options.port. StopIteration: no
+        application of that name.
+    """
+    import yaml
+
+    raw = yaml.safe_load(config.read_text())
+    app = next(a for a in raw["applications"] if a["name"] == application)
+    prefix = app.get("route_prefix", "/").rstrip("/")
+    return f"http://127.0.0.1:{raw['http_options']['port']}{prefix}/v1"
+
+
+def run_standalone(
+    add_cli_args: Callable[[argparse.ArgumentParser], None],
+    main: Callable[[argparse.Namespace], int],
+    **parser_kwargs,
+) -> None:
+    """`python -m specdec.tools.X`: parses sys.argv with the tool's own add_cli_args, runs its
+    main and exits with main's status. ``parser_kwargs`` go to argparse.ArgumentParser (prog,
+    description, formatter_class)."""
+    parser = argparse.ArgumentParser(**parser_kwargs)
+    add_cli_args(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,58 @@
+"""`specdec serve`: deploy specdec to a running Ray cluster (or the local one, started first with
+--local), from a Serve config YAML with optional model and dtype overrides."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.client import DEFAULT_APPLICATION
+from specdec.tools.args import DEFAULT_CONFIG, config_path, grpc_port
+
+# parsed-args attributes (--draft-model ...) that override the application arg of the same name
+OVERRIDES = ("draft_model", "target_model", "dtype", "draft_dtype")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specdec serve`."""
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="Serve config YAML: a path, or local.yaml / gpu.yaml (shipped)",
+    )
+    parser.add_argument("--local", action="store_true", help="first bring up the local cluster")
+    parser.add_argument("--address", help="Ray address (default: the local cluster's)")
+    parser.add_argument("--draft-model", help="override the config's draft_model")
+    parser.add_argument("--target-model", help="override the config's target_model")
+    parser.add_argument("--dtype", help="override the config's dtype (the target's)")
+    parser.add_argument("--draft-dtype", help="override the config's draft_dtype (e.g. int8)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Deploys and prints where the service listens.
+
+    On a cluster on this machine (--local, or no --address) the bundled pair is converted here,
+    once, with progress bars, instead of in every replica.
+
+    Raises:
+        FileNotFoundError: no such config. specdec.errors.ModelLoadError: the bundled pair is not
+        installed. RuntimeError: no cluster to deploy to, or the deployment failed.
+    """
+    from specdec.cluster import local
+    from specdec.deployments.deploy import deploy, resolve_bundled
+
+    address = args.address
+    if args.local:
+        try:
+            address = local.address()
+        except RuntimeError:
+            address = local.up().address
+    overrides = {key: getattr(args, key) for key in OVERRIDES if getattr(args, key)}
+    config = config_path(args.config)
+    if args.local or args.address is None:
+        overrides = resolve_bundled(config, overrides)
+    deploy(config, address=address or local.address(), overrides=overrides)
+    print(
+        f"specdec is serving (config {config}); gRPC on port {grpc_port(config)}, "
+        f"application '{DEFAULT_APPLICATION}'"
+    )
+    return 0

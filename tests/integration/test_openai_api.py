@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP API on Serve's HTTP port, called with the official `openai` client:
+the same answers as gRPC, OpenAI's error objects naming the field, and a stream that a client
+closes releases both sides' caches."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from test_serving import K_MAX, _all_caches_empty, _scrape_metrics, _wait_until
+
+from specdec.client import build_request
+from specdec.pairs.tiny import PROMPTS
+from specdec.tools import demo
+
+pytestmark = pytest.mark.integration
+APP = "specdec"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[4]}]
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def base_url(served) -> str:
+    """``http://127.0.0.1:PORT/specdec/v1``: the HTTP port and route prefix Serve runs with."""
+    from ray import serve
+    from ray.serve.schema import ServeInstanceDetails
+
+    details = ServeInstanceDetails(**serve.context._get_global_client().get_serve_details())
+    prefix = details.applications[APP].route_prefix.rstrip("/")
+    return f"http://127.0.0.1:{details.http_options.port}{prefix}/v1"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(oai) -> str:
+    return oai.models.list().data[0].id
+
+
+def test_models_lists_the_target_with_the_draft_beside_it(oai, grpc_client):
+    info = grpc_client.model_info()
+    (listed,) = oai.models.list().data
+    assert listed.id == info.target_model and listed.object == "model"
+    assert listed.model_extra["draft_model"] == info.draft_model
+    assert listed.model_extra["max_model_len"] == info.context_limit
+
+
+def _grpc(grpc_client, k, logprobs=False, max_new_tokens=24, **fields):
+    request = build_request(
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        num_speculative_tokens=k,
+        logprobs=logprobs,
+        **fields,
+    )
+    return grpc_client.generate(request)
+
+
+def _extra(k):
+    return {"num_speculative_tokens": k} if k is not None else None
+
+
+def _stream_text(stream):
+    """(text, finish_reason, usage, specdec_stats) of a stream read to its end."""
+    text, finish, usage, stats = "", None, None, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += (choice.delta.content if hasattr(choice, "delta") else choice.text) or ""
+            if choice.finish_reason:
+                finish, stats = choice.finish_reason, chunk.model_extra["specdec_stats"]
+        usage = chunk.usage or usage
+    return text, finish, usage, stats
+
+
+def _same_as_grpc(expected, text, finish, usage, stats):
+    assert text == expected.text
+    assert finish == expected.finish_reason
+    assert usage.prompt_tokens == expected.usage.prompt_tokens
+    assert usage.completion_tokens == expected.usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # Greedy with a fixed k: the same rounds, drafts and acceptances as the gRPC request.
+    for name in ("rounds", "draft_tokens", "accepted_tokens", "completion_tokens"):
+        assert stats[name] == getattr(expected.stats, name), name
+    assert stats["accepted_per_position"] == list(expected.stats.accepted_per_position)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("k", [3, 0])
+def test_greedy_completion_equals_grpc(oai, grpc_client, model, stream, k):
+    for prompt in PROMPTS[:3]:
+        expected = _grpc(grpc_client, k, prompt=prompt)
+        kwargs = dict(
+            model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body=_extra(k)
+        )
+        if stream:
+            answer = oai.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+            _same_as_grpc(expected, *_stream_text(answer))
+        else:
+            answer = oai.completions.create(**kwargs)
+            choice = answer.choices[0]
+            stats = answer.model_extra["specdec_stats"]
+            _same_as_grpc(expected, choice.text, choice.finish_reason, answer.usage, stats)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_greedy_chat_completion_equals_grpc(oai, grpc_client, model, stream):
+    expected = _grpc(grpc_client, 2, messages=MESSAGES)
+    kwargs = dict(
+        model=model,
+        messages=MESSAGES,
+        max_completion_tokens=24,
+        temperature=0,
+        extra_body=_extra(2),
+    )
+    if stream:
+        answer = oai.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        _same_as_grpc(expected, *_stream_text(answer))
+    else:
+        answer = oai.chat.completions.create(**kwargs)
+        choice = answer.choices[0]
+        assert choice.message.role == "assistant"
+        stats = answer.model_extra["specdec_stats"]
+        _same_as_grpc(expected, choice.message.content, choice.finish_reason, answer.usage, stats)
+
+
+def test_adaptive_k_greedy_text_equals_grpc(oai, grpc_client, model):
+    """k on "auto" (no extension field): the rounds may differ, the greedy text may not."""
+    expected = _grpc(grpc_client, None, prompt=PROMPTS[5])
+    answer = oai.completions.create(model=model, prompt=PROMPTS[5], max_tokens=24, temperature=0)
+    assert answer.choices[0].text == expected.text
+    assert answer.usage.completion_tokens == expected.usage.completion_tokens
+
+
+def test_logprobs_are_the_targets_as_in_grpc(oai, grpc_client, model):
+    expected = _grpc(grpc_client, 3, logprobs=True, prompt=PROMPTS[1])
+    answer = oai.completions.create(
+        model=model,
+        prompt=PROMPTS[1],
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        extra_body=_extra(3),
+    )
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-5)
+    assert len(logprobs.tokens) == len(expected.token_ids) and logprobs.top_logprobs is None
+    chat = oai.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+
+
+def test_sampling_parameters_and_seed_reach_the_round_loop(oai, model):
+    def sample():
+        answer = oai.completions.create(
+            model=model,
+            prompt=PROMPTS[0],
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.9,
+            seed=5,
+            stop=["\n\n"],
+            extra_body={"top_k": 50, "num_speculative_tokens": 3},
+        )
+        return answer.choices[0].text
+
+    assert sample() == sample()
+
+
+BAD = [
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"extra_body": {"foo": 1}}, "foo"),
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 100_000}, "max_tokens"),
+    ("completions", {"prompt": "x " * 300}, "prompt"),  # past the 256-token context limit
+    ("completions", {"prompt": ""}, "prompt"),
+    (
+        "completions",
+        {"extra_body": {"num_speculative_tokens": K_MAX + 1}},
+        "num_speculative_tokens",
+    ),
+    ("completions", {"extra_body": {"top_k": -1}}, "top_k"),
+    ("completions", {"seed": -3}, "seed"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": []}, "messages"),
+]
+
+
+def _create(oai, endpoint, model, fields, stream=False):
+    base = {"model": model}
+    if endpoint == "chat":
+        base |= {"messages": MESSAGES, "max_completion_tokens": 8}
+        create = oai.chat.completions.create
+    else:
+        base |= {"prompt": PROMPTS[0], "max_tokens": 8}
+        create = oai.completions.create
+    if stream:
+        base["stream"] = True
+    return create(**{**base, **fields})
+
+
+@pytest.mark.parametrize("endpoint, fields, param", BAD, ids=[f"{e}-{p}" for e, _, p in BAD])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_bad_parameters_are_400_naming_the_param(oai, model, endpoint, fields, param, stream):
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(oai, endpoint, model, fields, stream)
+    assert err.value.status_code == 400
+    assert err.value.param == param, err.value.message
+    assert err.value.type == "invalid_request_error"
+    assert err.value.body["message"].startswith(param + ":")
+
+
+def test_another_model_is_404(oai):
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+    assert err.value.param == "model" and err.value.code == "model_not_found"
+
+
+def _post(url, data: bytes):
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_error_object_shape_and_bad_json(base_url):
+    status, body = _post(f"{base_url}/completions", b'{"prompt": "hi", "n": 2}')
+    assert status == 400
+    assert json.loads(body) == {
+        "error": {
+            "message": json.loads(body)["error"]["message"],
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": "unsupported_parameter",
+        }
+    }
+    status, body = _post(f"{base_url}/chat/completions", b"{not json")
+    assert status == 400 and json.loads(body)["error"]["param"] is None
+
+
+def test_raw_stream_is_server_sent_events_ending_in_done(base_url):
+    body = {"prompt": PROMPTS[2], "max_tokens": 12, "stream": True}
+    status, raw = _post(f"{base_url}/completions", json.dumps(body).encode())
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert last["specdec_stats"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_client_that_closes_a_stream_releases_both_caches(oai, model, endpoint):
+    """Several streams, each closed after two chunks: a release that raced the end of its
+    cancelled request lost about one session in six before HandleTransport detached it."""
+    limit = "max_completion_tokens" if endpoint == "chat" else "max_tokens"
+    fields = {limit: 200, "extra_body": {"num_speculative_tokens": 1}}
+    for _ in range(6):
+        stream = _create(oai, endpoint, model, fields, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        next(chunks)
+        stream.close()
+    _wait_until(_all_caches_empty)
+    # Released because the rounds were cancelled, not because the stream ran to its end: the
+    # router counted the request as CANCELLED (the metrics export lags by seconds).
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+    def counted_cancelled():
+        lines = _scrape_metrics().splitlines()
+        return any(f'method="{path}"' in line and 'code="CANCELLED"' in line for line in lines)
+
+    _wait_until(counted_cancelled, timeout_s=90)
+
+
+def test_the_demo_request(base_url, grpc_client):
+    """`make run`'s HTTP step (plain urllib, no OpenAI client)."""
+    answer = demo.http_chat(base_url, "hi", max_tokens=8, timeout_s=60)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = _grpc(grpc_client, None, max_new_tokens=8, messages=messages)
+    assert answer["choices"][0]["message"]["content"] == expected.text
+    assert answer["usage"]["completion_tokens"] == expected.usage.completion_tokens
+    assert answer["specdec_stats"]["rounds"] >= 1

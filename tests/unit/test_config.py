@@ -1,0 +1,294 @@
+"""specdec.config: one settings object, validated at start-up, documented in the README."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec import config as config_module
+from specdec.config import (
+    SIDES,
+    ModelConfig,
+    ServiceConfig,
+    SpecdecConfig,
+    SpeculationConfig,
+    field_docs,
+    render_readme,
+)
+from specdec.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((ROOT / "deployments" / "config").glob("*.yaml"))
+BASE = {"draft_model": "/models/draft", "target_model": "/models/target"}
+
+
+def _app_args(path: Path) -> dict:
+    raw = yaml.safe_load(path.read_text())
+    return next(app["args"] for app in raw["applications"] if app["name"] == "specdec")
+
+
+def test_the_readme_reference_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert render_readme(readme) == readme, (
+        "README.md's configuration reference differs from specdec/config.py: run "
+        "`python -m specdec.config --write README.md`"
+    )
+
+
+def test_every_setting_has_a_docstring_with_its_unit():
+    for section in (ModelConfig, SpeculationConfig, ServiceConfig):
+        for name, doc in field_docs(section).items():
+            if name.endswith("_s"):
+                assert "seconds" in doc.lower(), name
+            if name.endswith("_bytes"):
+                assert "bytes" in doc, name
+            if name in ("max_speculative_tokens", "draft_top_n"):
+                assert "tokens" in doc, name
+
+
+def test_settings_have_one_name_each_across_the_concerns():
+    names = [
+        field.name
+        for section in (ModelConfig, SpeculationConfig, ServiceConfig)
+        for field in dataclasses.fields(section)
+    ]
+    assert len(names) == len(set(names))
+    assert list(SpecdecConfig().to_args()) == names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_the_shipped_args_round_trip(path):
+    args = _app_args(path)
+    config = SpecdecConfig.from_args(args)
+    parsed = config.to_args()
+    assert {key: parsed[key] for key in args} == args
+    assert SpecdecConfig.from_args(parsed) == config
+
+
+def test_the_shipped_configs_use_every_key_the_service_had():
+    used = set().union(*(_app_args(path) for path in SHIPPED))
+    assert used <= set(SpecdecConfig().to_args())
+    assert {"draft_model", "target_model", "dtype", "max_speculative_tokens"} <= used
+
+
+def test_defaults_and_number_types():
+    config = SpecdecConfig.from_args({**BASE, "call_timeout_s": 300})
+    assert config.service.call_timeout_s == 300.0
+    assert isinstance(config.service.call_timeout_s, float)
+    assert config.models.dtype == ModelConfig().dtype
+    assert config.speculation == SpeculationConfig()
+
+
+BAD = [
+    ("max_speculative_tokens", 0),
+    ("max_speculative_tokens", -3),
+    ("max_speculative_tokens", "8"),
+    ("max_speculative_tokens", True),  # a bool is not an integer here
+    ("max_speculative_tokens", 4.0),
+    ("draft_top_n", -1),
+    ("draft_top_n", None),
+    ("dynamic_draft_length", 1),
+    ("dynamic_draft_length", "yes"),
+    ("concurrent_prefill", "false"),
+    ("call_timeout_s", 0),
+    ("call_timeout_s", -1.5),
+    ("call_timeout_s", math.nan),
+    ("call_timeout_s", math.inf),
+    ("call_timeout_s", False),
+    ("unavailable_after_s", "30"),
+    ("dtype", "fp8"),
+    ("dtype", None),
+    ("draft_dtype", "int4"),
+    ("device", "gpu"),
+    ("device", "cuda:x"),
+    ("cache_capacity_bytes", 0),
+    ("cache_capacity_bytes", 1.5),
+    ("fixed_shape_verify", "auto"),
+    ("draft_pool", ""),
+    ("target_pool", 3),
+    ("draft_model", ""),
+    ("target_model", 7),
+]
+
+
+@pytest.mark.parametrize("key, value", BAD, ids=[f"{k}={v!r}" for k, v in BAD])
+def test_a_bad_value_is_refused_naming_the_setting(key, value):
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args({**BASE, key: value})
+    assert err.value.field == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("dtype_key", ["dtype", "draft_dtype"])
+def test_int8_off_the_cpu_is_refused(dtype_key):
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args({**BASE, "device": "cuda:0", dtype_key: "int8"})
+    assert err.value.field == dtype_key and "CPU only" in str(err.value)
+    SpecdecConfig.from_args({**BASE, "device": "cpu", dtype_key: "int8"})
+
+
+def test_unknown_keys_are_refused_naming_them():
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args({**BASE, "k_max": 4, "top_n": 2})
+    assert err.value.field == "k_max"
+    assert str(err.value).startswith("k_max: unknown setting")
+    assert "top_n" in str(err.value) and "max_speculative_tokens" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["draft_model", "target_model"])
+def test_the_models_are_required_in_the_service_args(key):
+    args = dict(BASE)
+    del args[key]
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args(args)
+    assert err.value.field == key
+
+
+def test_args_that_are_not_a_mapping_are_refused():
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args(["draft_model"])
+    assert err.value.field == "args"
+
+
+def test_model_paths_expand_home_and_environment(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("SPECDEC_MODELS", "/srv/models")
+    config = SpecdecConfig.from_args(
+        {"draft_model": "~/draft", "target_model": "$SPECDEC_MODELS/target"}
+    )
+    assert config.models.draft_model == "/home/someone/draft"
+    assert config.models.target_model == "/srv/models/target"
+    bundled = SpecdecConfig.from_args({"draft_model": "bundled:draft", "target_model": "t"})
+    assert bundled.models.draft_model == "bundled:draft"
+
+
+def test_config_errors_survive_pickling():
+    # Serve ships a failed build_app's exception between processes.
+    err = pickle.loads(pickle.dumps(ConfigError("draft_top_n", "must be at least 0, got -1")))
+    assert err.field == "draft_top_n" and str(err) == "draft_top_n: must be at least 0, got -1"
+
+
+def test_of_builds_from_a_concern_or_flat_settings():
+    speculation = SpeculationConfig(max_speculative_tokens=3)
+    assert SpecdecConfig.of(speculation) == SpecdecConfig(speculation=speculation)
+    assert SpecdecConfig.of(None, max_speculative_tokens=3, device="cuda").speculation == (
+        speculation
+    )
+    whole = SpecdecConfig.of(speculation, draft_top_n=5, cache_capacity_bytes=1024)
+    assert whole.speculation == SpeculationConfig(max_speculative_tokens=3, draft_top_n=5)
+    assert whole.models.cache_capacity_bytes == 1024
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.of({"max_speculative_tokens": 3})
+    assert err.value.field == "config"
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig(models=SpeculationConfig())
+    assert err.value.field == "models"
+
+
+def test_the_config_is_frozen():
+    config = SpecdecConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.speculation.max_speculative_tokens = 3
+
+
+def test_each_side_loads_its_model_in_its_dtype():
+    models = ModelConfig(draft_model="d", target_model="t", dtype="bfloat16", draft_dtype="int8")
+    assert [models.for_side(side) for side in SIDES] == [("d", "int8"), ("t", "bfloat16")]
+    same = ModelConfig(draft_model="d", target_model="t")
+    assert same.for_side("draft") == ("d", same.dtype) and same.for_side("target")[1] == same.dtype
+
+
+def test_the_dtype_names_are_the_ones_the_loader_accepts():
+    from specdec.models.loading import DTYPES, INT8
+
+    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8}
+
+
+def test_the_config_module_imports_neither_ray_nor_torch_nor_the_engine():
+    code = (
+        "import sys, specdec.config; "
+        "bad = {'ray', 'torch', 'specdec.engine'} & set(sys.modules); "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_engine_builds_its_config_once_from_keyword_arguments(engine, tiny_pair):
+    from specdec import SpeculativeEngine
+
+    built = SpeculativeEngine(
+        engine.draft,
+        engine.target,
+        max_speculative_tokens=3,
+        draft_top_n=5,
+        dynamic_draft_length=False,
+        cache_capacity_bytes=10**6,
+        fixed_shape_verify=False,
+    )
+    assert built.config.speculation == SpeculationConfig(
+        max_speculative_tokens=3, draft_top_n=5, dynamic_draft_length=False
+    )
+    assert built.limits.max_speculative_tokens == 3
+    assert built.transport.verifier.sessions.capacity_bytes == 10**6
+    assert built.transport.verifier.fixed_width is None
+    with pytest.raises(ConfigError) as err:
+        SpeculativeEngine(engine.draft, engine.target, k_max=3)
+    assert err.value.field == "k_max"
+    # The verifier sizes its fixed width at construction, from k_max.
+    fixed = SpeculativeEngine.from_pretrained(
+        *tiny_pair, SpeculationConfig(max_speculative_tokens=3), fixed_shape_verify=True
+    )
+    assert fixed.transport.verifier.fixed_width == 4
+    assert fixed.config.models.draft_model == str(tiny_pair[0])
+
+
+def test_build_app_refuses_bad_args_naming_the_setting():
+    pytest.importorskip("ray")
+    from specdec.deployments.app import build_app
+
+    with pytest.raises(ConfigError) as err:
+        build_app({**BASE, "max_speculative_tokens": 0})
+    assert err.value.field == "max_speculative_tokens"
+
+
+def _serve_config(tmp_path: Path, **args) -> Path:
+    raw = yaml.safe_load((ROOT / "deployments" / "config" / "local.yaml").read_text())
+    raw["applications"][0]["args"] = args
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_resolve_bundled_converts_in_the_dtype_the_replicas_load(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    from specdec.deployments import deploy
+    from specdec.pairs import bundled
+
+    calls = []
+    monkeypatch.setattr(bundled, "resolve", lambda spec, dtype: calls.append((spec, dtype)) or spec)
+    bundled_pair = {"draft_model": "bundled:draft", "target_model": "bundled:target"}
+    deploy.resolve_bundled(_serve_config(tmp_path, **bundled_pair))
+    default = ModelConfig().dtype  # one default for the conversion and the replicas
+    assert calls == [("bundled:draft", default), ("bundled:target", default)]
+    calls.clear()
+    deploy.resolve_bundled(
+        _serve_config(tmp_path, **bundled_pair, dtype="bfloat16", draft_dtype="int8")
+    )
+    assert calls == [("bundled:draft", "int8"), ("bundled:target", "bfloat16")]
+
+
+def test_serve_refuses_a_bad_config_before_deploying(tmp_path, capsys):
+    pytest.importorskip("ray")
+    from specdec.cli import main
+
+    path = _serve_config(tmp_path, **BASE, draft_top_n=-1)
+    assert main(["serve", "--config", str(path), "--address", "127.0.0.1:1"]) == 1
+    assert capsys.readouterr().err.startswith("specdec: draft_top_n: must be at least 0")
