@@ -21,6 +21,9 @@ from ray.serve.schema import ServeDeploySchema
 from specdec.config import SIDES, SpecdecConfig
 
 APPLICATION = "specdec"
+# Ray Serve reads the gRPC proxy's max receive (and send) message size from this variable of
+# the proxy's environment; proxies inherit the Serve controller's runtime_env.
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeDeploySchema:
@@ -103,9 +106,29 @@ def deploy(
         http_options=config.http_options.model_dump(),
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
         proxy_location=config.proxy_location,
+        controller_options=controller_options(config),
     )
     client.deploy_apps(config, _blocking=False)
     wait_running([app.name for app in config.applications], timeout_s)
+
+
+def controller_options(config: ServeDeploySchema) -> dict[str, Any]:
+    """The config's ``controller_options`` with the gRPC proxy's message size bound set to the
+    specdec application's max_request_bytes (specdec.config.ServiceConfig), so that the gRPC
+    proxy refuses a larger request (RESOURCE_EXHAUSTED) before it reaches a router. Serve
+    applies it only when it starts its controller (a running Serve keeps its proxies).
+
+    Raises:
+        specdec.errors.ConfigError: the specdec application's args are invalid.
+    """
+    options = config.controller_options.model_dump() if config.controller_options else {}
+    app = app_config(config)
+    if app is not None:
+        runtime_env = options.get("runtime_env") or {}
+        env_vars = dict(runtime_env.get("env_vars") or {})
+        env_vars[GRPC_MAX_MESSAGE_ENV] = str(app.service.max_request_bytes)
+        options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
+    return options
 
 
 def _same_cluster(address: str | None, connected: str) -> bool:

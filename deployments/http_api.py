@@ -36,7 +36,14 @@ log = logging.getLogger("ray.serve")
 HTTP_APP = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
 # Metric labels of HTTP failures: the gRPC status names the gRPC API records, so a dashboard
 # counts errors by code across both APIs.
-_CODE_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 500: "INTERNAL", 503: "UNAVAILABLE"}
+_CODE_NAMES = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -54,7 +61,7 @@ def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIErro
     from specdec.deployments.router import grpc_status
 
     code, message = grpc_status(err)
-    status = {"UNAVAILABLE": 503}.get(code.name, 500)
+    status = {"UNAVAILABLE": 503, "RESOURCE_EXHAUSTED": 429}.get(code.name, 500)
     return OpenAIError(status, message, None, code.name.lower())
 
 
@@ -101,7 +108,8 @@ class OpenAIRoutes:
         start = time.perf_counter()
         parsed = None
         try:
-            parsed = openai_api.parse(endpoint, await _json_body(http_request))
+            body = await _json_body(http_request, self.config.service.max_request_bytes)
+            parsed = openai_api.parse(endpoint, body)
             _, target = await self._model_info()
             parsed.check_model(target["name"])
             loop = await self._round_loop(parsed.request)
@@ -171,9 +179,32 @@ class OpenAIRoutes:
         return JSONResponse(error.body(), status_code=error.status)
 
 
-async def _json_body(request: Request) -> object:
-    """The parsed JSON body. Raises OpenAIError (400) when it is not JSON."""
+async def _json_body(request: Request, max_bytes: int) -> object:
+    """The parsed JSON body, read while it stays within ``max_bytes``.
+
+    Raises:
+        OpenAIError: 413 past max_bytes (the declared Content-Length is checked before reading
+            anything), 400 when the body is not JSON.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body())
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise OpenAIError.bad(None, f"the request body is not valid JSON: {err}") from None
+
+
+def _too_large(size: int, max_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"the request body has {size}+ bytes; the limit is {max_bytes} (max_request_bytes)",
+        None,
+        "request_too_large",
+    )

@@ -10,9 +10,9 @@ from typing import TypeVar
 
 from specdec.config import SpecdecConfig
 from specdec.deployments.metrics import ReplicaMetrics
-from specdec.models.loading import load_model
+from specdec.models.calibration import load_calibrated
 from specdec.models.session import SessionModel
-from specdec.v1 import worker_pb2
+from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
 Response = TypeVar("Response")
@@ -46,8 +46,19 @@ class ModelReplica:
         # Loading runs on the compute thread too: OpenMP keeps a thread team per thread that
         # starts parallel work, and a second, idle team made every CPU forward ~1.5x slower
         # (int8 draft step 36 -> 54 ms, measured).
-        loaded = self._executor.submit(load_model, model, dtype=self._dtype, device=device).result()
-        self.side = self._executor.submit(side_cls, loaded, config).result()
+        loaded, self.calibration = self._executor.submit(
+            load_calibrated,
+            model,
+            side,
+            self._dtype,
+            device=device,
+            max_speculative_tokens=config.speculation.max_speculative_tokens,
+        ).result()
+        self._dtype = self.calibration.dtype
+        self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()
+        message = specdec_pb2.DeviceCalibration()
+        self.calibration.to_proto(message)
+        self._calibration_bytes = message.SerializeToString()
         self._metrics = ReplicaMetrics()
         log.info(
             "loaded %s (%s, %s) with a %d-byte session cache",
@@ -76,7 +87,8 @@ class ModelReplica:
         return self.side.cache_stats()
 
     async def model_info(self) -> dict:
-        """vocab_size, context_limit (tokens), eos_token_ids, name and dtype of the model."""
+        """vocab_size, context_limit (tokens), eos_token_ids, name and dtype of the model, and
+        its start-up calibration (a serialized specdec.v1.DeviceCalibration)."""
         loaded = self.side.loaded
         return {
             "name": loaded.name,
@@ -84,6 +96,7 @@ class ModelReplica:
             "vocab_size": loaded.vocab_size,
             "context_limit": loaded.context_limit,
             "eos_token_ids": sorted(loaded.eos_token_ids),
+            "calibration": self._calibration_bytes,
         }
 
     async def replica_id(self) -> str:

@@ -12,6 +12,7 @@ per-replica gRPC transport (``_by_reference=False``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import logging
@@ -21,13 +22,33 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import (
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    WorkerCrashedError,
+)
+from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+)
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.controller import CostModel
-from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
+from specdec.decoding.request import (
+    AUTO,
+    ModelLimits,
+    check_q_message_size,
+    check_request_size,
+    encode_prompt,
+    prepare_request,
+)
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
@@ -35,7 +56,8 @@ from specdec.deployments import health
 from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.metrics import RouterMetrics
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, MalformedRequest
+from specdec.models.calibration import cost_prior
 from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
 
@@ -46,14 +68,55 @@ class ServiceUnavailable(RuntimeError):
     """No draft or target replica answered in time; the router answers UNAVAILABLE."""
 
 
+# What a replica that died, is draining, or was never placed makes a handle call raise: the call
+# never ran to completion on a live replica, so it is safe to send again (draws are keyed by
+# position, and a replica without the session rebuilds it). With Serve's per-replica gRPC
+# transport a dead or shut-down replica raises ActorUnavailableError (a RayActorError) or
+# RequestCancelledError (its server cancelled the call while draining), other gRPC failures
+# grpc.aio.AioRpcError (handled by code in retryable); a replica whose node died raises the
+# node and worker errors. Errors of the replica's own code (RayTaskError) are not here: sending
+# the same call again would fail again, so they answer INTERNAL.
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,
+    RayActorError,
+    WorkerCrashedError,
+    NodeDiedError,
+    LocalRayletDiedError,
+    ObjectLostError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+    BackPressureError,
+    RequestCancelledError,
+)
+RETRYABLE_GRPC_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
+def retryable(err: BaseException) -> bool:
+    """Whether a failed handle call may be sent again: a replica dying, draining or missing
+    (RETRYABLE_ERRORS, or a gRPC transport failure with a code in RETRYABLE_GRPC_CODES)."""
+    if isinstance(err, RETRYABLE_ERRORS):
+        return True
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE_GRPC_CODES
+
+
 class HandleTransport:
     """The round loop's transport over Serve handles, for one session.
 
-    A call that fails because its replica died (RayActorError) or did not answer within
-    ``service.call_timeout_s`` is retried; Serve routes the retry to a live replica, which
-    answers cache_miss, and the round loop resends the whole sequence so that replica rebuilds
-    the session. Draws are keyed by position, so a retried call gives the same tokens. After
-    ``service.unavailable_after_s`` of failed retries it raises ServiceUnavailable.
+    A call that fails because its replica died, drained or is missing (``retryable``) or did
+    not answer within ``service.call_timeout_s`` is retried; Serve routes the retry to a live
+    replica, which answers cache_miss, and the round loop resends the whole sequence so that
+    replica rebuilds the session. Draws are keyed by position, so a retried call gives the same
+    tokens. A retry never runs past ``service.unavailable_after_s`` after the call began (config
+    guarantees call_timeout_s < unavailable_after_s); then it raises ServiceUnavailable. So when
+    no replica exists (Serve queues the call until one does) a request ends within
+    unavailable_after_s.
     """
 
     def __init__(
@@ -95,20 +158,23 @@ class HandleTransport:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self._service.unavailable_after_s
         delay = 0.05
+        timeout = self._service.call_timeout_s
         while True:
             try:
-                return await asyncio.wait_for(
-                    getattr(handle, method).remote(request), self._service.call_timeout_s
-                )
-            except (RayActorError, asyncio.TimeoutError) as err:
-                if loop.time() + delay >= give_up:
+                return await asyncio.wait_for(getattr(handle, method).remote(request), timeout)
+            except Exception as err:  # noqa: BLE001 - retryable() decides; others propagate
+                if not retryable(err):
+                    raise
+                left = give_up - loop.time() - delay
+                if left <= 0:
                     raise ServiceUnavailable(
-                        f"{handle.deployment_name}.{method}: no replica "
-                        f"answered ({type(err).__name__})"
+                        f"{handle.deployment_name}.{method}: no replica answered within "
+                        f"{self._service.unavailable_after_s:g} s ({type(err).__name__})"
                     ) from err
                 log.warning("%s.%s failed (%r); retrying", handle.deployment_name, method, err)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+                timeout = min(self._service.call_timeout_s, left)
 
 
 def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
@@ -138,7 +204,14 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, ServiceUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(err)
+    if isinstance(err, BackPressureError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err.message} Retry after {RETRY_HINT_S:g} s."
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+# The retry hint of a RESOURCE_EXHAUSTED the router itself answers, in seconds (Serve's proxy
+# answers the requests past the router's max_queued_requests itself; see the README's Errors).
+RETRY_HINT_S = 1.0
 
 
 # A router replica being scaled down holds whole requests (streams of many rounds), not single
@@ -168,9 +241,18 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self.config = config
         self.tokenizer = load_tokenizer(config.models.target_model)
         check_same_tokenizer(load_tokenizer(config.models.draft_model), self.tokenizer)
+        # A sampled round's q travels draft -> router -> target over Serve's per-replica gRPC
+        # transport, whose receivers refuse messages past this many bytes.
+        check_q_message_size(
+            len(self.tokenizer), config.speculation, RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+        )
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(config.speculation)
+        self._prior_set = False
+        # One thread tokenizes every request's prompt, off the event loop and one at a time (a
+        # flood of long prompts then costs one core, not one thread each).
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         self.metrics = RouterMetrics()
         self._info = health.ModelInfoCache(
             {"draft": self.draft.model_info.remote, "target": self.target.model_info.remote},
@@ -237,6 +319,8 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             draft_dtype=draft["dtype"],
             target_dtype=target["dtype"],
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
+            draft_calibration=_calibration(draft),
+            target_calibration=_calibration(target),
         )
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
@@ -269,10 +353,26 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         )
 
     async def _round_loop(self, request: specdec_pb2.GenerateRequest) -> RoundLoop:
-        """Validates and tokenizes; raises InvalidRequestError naming the field."""
-        params = sampling_params(request)
+        """Validates and tokenizes; raises InvalidRequestError naming the field.
+
+        Cheap checks first (the message parsed, sizes against config.service's limits, the
+        sampling fields), then the tokenizer, in a worker thread: a long prompt never stalls
+        the other requests' rounds on this replica's event loop.
+        """
+        if isinstance(request, MalformedRequest):
+            raise InvalidRequestError("request", str(request))
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        prompt_ids = encode_prompt(self.tokenizer, request.prompt or None, messages or None)
+        check_request_size(
+            request.prompt, messages, request.stop, request.stop_token_ids, self.config.service
+        )
+        params = sampling_params(request)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool,
+            encode_prompt,
+            self.tokenizer,
+            request.prompt or None,
+            messages or None,
+        )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else AUTO
         prepared = prepare_request(prompt_ids, params, await self._limits(), k)
         transport = HandleTransport(
@@ -288,8 +388,17 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         """
         try:
             draft, target = await asyncio.gather(self._info.get("draft"), self._info.get("target"))
-        except (RayActorError, asyncio.TimeoutError) as err:
+        except Exception as err:  # noqa: BLE001 - retryable() decides; others propagate
+            if not retryable(err):
+                raise
             raise ServiceUnavailable(f"draft or target deployment not answering: {err!r}") from err
+        if not self._prior_set:
+            # The replicas' start-up measurements price the first rounds of the first requests.
+            k_max = self.config.speculation.max_speculative_tokens
+            prior = cost_prior(_calibration(target), _calibration(draft), k_max)
+            if prior is not None:
+                self.costs.set_prior(prior)
+            self._prior_set = True
         return draft, target
 
     async def _limits(self) -> ModelLimits:
@@ -339,3 +448,8 @@ def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateRes
     )
     _add_summary(message, completion)
     return message
+
+
+def _calibration(info: dict) -> specdec_pb2.DeviceCalibration:
+    """A replica's model_info calibration (serialized bytes; absent from an older replica)."""
+    return specdec_pb2.DeviceCalibration.FromString(info.get("calibration", b""))

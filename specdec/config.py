@@ -30,7 +30,7 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
-MODEL_DTYPES = ("float32", "bfloat16", "float16", "int8")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -65,9 +65,13 @@ class ModelConfig(_Section):
     """The target model, as `draft_model` (`bundled:target` for the bundled pair)."""
 
     dtype: str = "float32"
-    """The target's dtype, and the draft's unless `draft_dtype` is set: `float32`, `bfloat16`,
-    `float16` or `int8` (CPU only). A bundled model is converted once into it (`int8` starts
-    from the `bfloat16` conversion)."""
+    """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
+    `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
+    replica measures its forward cost by width in every candidate dtype at start-up (float32
+    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8) and runs in
+    the fastest one whose target output stays exact (specdec.models.calibration; GetModelInfo
+    reports what it measured). A bundled model is stored once in bfloat16 (float16 has its
+    own conversion) and loaded from there in any dtype."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
@@ -82,10 +86,12 @@ class ModelConfig(_Section):
     ids: slower, never wrong."""
 
     fixed_shape_verify: bool | None = None
-    """Run every target decode forward over one fixed width, so that greedy output cannot
-    depend on k through rounding: the smallest width >= `max_speculative_tokens` + 1 that the
-    target replica measures at start-up to give every row the same result wherever it sits in
-    the call (null: on when the target runs in bfloat16 or float16)."""
+    """Pad every target decode forward to an exact width, so that greedy output cannot depend
+    on k through rounding: the target replica measures at start-up which forward widths give a
+    row bitwise the same result (wherever it sits in the call) and pads to the cheapest that
+    fits; a rebuilt session replays its prefill and then runs in those widths. Null or true:
+    on; false: plain forwards of k + 1 positions (faster where padding costs, exact only up to
+    the device's rounding)."""
 
     def for_side(self, side: str) -> tuple[str | None, str]:
         """(model, dtype) that the "draft" or "target" side loads."""
@@ -149,15 +155,41 @@ class SpeculationConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ServiceConfig(_Section):
-    """service: the router's timeouts and the pools it reports."""
+    """service: the router's timeouts, the limits of a request, and the pools it reports."""
 
-    call_timeout_s: float = 300.0
+    call_timeout_s: float = 20.0
     """Seconds one propose or verify call may take before the router retries it (Serve routes
-    the retry to a live replica)."""
+    the retry to a live replica). Must be below `unavailable_after_s`, so that a call that
+    waits for a replica that does not exist is retried, and the request ends in time."""
 
     unavailable_after_s: float = 30.0
-    """Seconds of failed retries, or of waiting for the replicas' model info, after which a
-    request fails with UNAVAILABLE."""
+    """Seconds after which a request whose calls find no replica fails with UNAVAILABLE: the
+    retries of a failed or timed-out call stop there (a retry never outlasts it), and so does
+    the wait for the replicas' model info."""
+
+    max_prompt_bytes: int = 1024**2
+    """The largest prompt, in UTF-8 bytes of `prompt` or of all `messages` contents together;
+    a larger one is refused with INVALID_ARGUMENT before it is tokenized."""
+
+    max_messages: int = 256
+    """The most chat `messages` one request may hold (INVALID_ARGUMENT past it)."""
+
+    max_stop_strings: int = 16
+    """The most `stop` strings one request may hold; each is searched for in every round."""
+
+    max_stop_string_chars: int = 256
+    """The longest `stop` string, in characters."""
+
+    max_stop_token_ids: int = 256
+    """The most `stop_token_ids` one request may hold (each must be below the vocabulary
+    size)."""
+
+    max_request_bytes: int = 8 * 1024**2
+    """The largest request body the HTTP API reads, in bytes (larger: 413). The gRPC proxy's
+    own bound is Ray Serve's `RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, which specdec's deploy sets to
+    this value (the shipped configs set it under `controller_options`); past it gRPC answers
+    RESOURCE_EXHAUSTED. Keep it above `max_prompt_bytes`, so that a long prompt gets the
+    INVALID_ARGUMENT that names it."""
 
     draft_pool: str = "draft_pool"
     """The Ray custom resource of the draft replicas, as GetModelInfo reports it (the config's
@@ -170,6 +202,27 @@ class ServiceConfig(_Section):
         for name in ("call_timeout_s", "unavailable_after_s"):
             value = getattr(self, name)
             _require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
+        _require(
+            "call_timeout_s",
+            self.call_timeout_s < self.unavailable_after_s,
+            f"must be below unavailable_after_s ({self.unavailable_after_s} s), got "
+            f"{self.call_timeout_s} s: a call waiting for a missing replica would then never be "
+            "retried, and a request would wait call_timeout_s, past unavailable_after_s",
+        )
+        for name in (
+            "max_prompt_bytes",
+            "max_messages",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_stop_token_ids",
+        ):
+            _at_least(name, getattr(self, name), 1)
+        _require(
+            "max_request_bytes",
+            self.max_request_bytes > self.max_prompt_bytes,
+            f"must be above max_prompt_bytes ({self.max_prompt_bytes}), got "
+            f"{self.max_request_bytes}",
+        )
         for name in ("draft_pool", "target_pool"):
             _require(name, getattr(self, name) != "", "must not be empty")
 

@@ -16,10 +16,11 @@ from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_r
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
-from specdec.models.loading import LoadedModel, check_same_tokenizer, load_model_pair
+from specdec.models.calibration import Calibration, cost_prior, load_calibrated
+from specdec.models.loading import LoadedModel, check_same_tokenizer
 from specdec.models.proposer import DraftProposer
 from specdec.models.verifier import TargetVerifier
-from specdec.v1 import worker_pb2
+from specdec.v1 import specdec_pb2, worker_pb2
 
 
 class LocalTransport:
@@ -65,14 +66,18 @@ class SpeculativeEngine:
         draft: LoadedModel,
         target: LoadedModel,
         config: SpeculationConfig | SpecdecConfig | None = None,
+        *,
+        calibrations: dict[str, Calibration] | None = None,
         **settings: Any,
     ) -> None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
         self.config = SpecdecConfig.of(config, **settings)
         self.draft, self.target = draft, target
         self.tokenizer = target.tokenizer
+        calibrations = calibrations or {}
         self.transport = LocalTransport(
-            DraftProposer(draft, self.config), TargetVerifier(target, self.config)
+            DraftProposer(draft, self.config, calibrations.get("draft")),
+            TargetVerifier(target, self.config, calibrations.get("target")),
         )
         self.limits = ModelLimits(
             vocab_size=target.vocab_size,
@@ -81,6 +86,15 @@ class SpeculativeEngine:
             eos_token_ids=target.eos_token_ids,
         )
         self.costs = CostModel(self.config.speculation)
+        protos = {}
+        sides = {"draft": self.transport.proposer, "target": self.transport.verifier}
+        for side, model in sides.items():
+            protos[side] = specdec_pb2.DeviceCalibration()
+            if model.calibration is not None:
+                model.calibration.to_proto(protos[side])
+        prior = cost_prior(protos["target"], protos["draft"], self.limits.max_speculative_tokens)
+        if prior is not None:
+            self.costs.set_prior(prior)
 
     @classmethod
     def from_pretrained(
@@ -91,8 +105,9 @@ class SpeculativeEngine:
         **settings: Any,
     ) -> SpeculativeEngine:
         """Loads both models offline (see specdec.models.load_model_pair) in the config's
-        ``dtype``, ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast) and
-        ``device``, and builds the engine; ``config`` and ``settings`` as for the engine.
+        ``dtype``, ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast; "auto": the
+        fastest measured on this device, specdec.models.calibration) and ``device``, and builds
+        the engine; ``config`` and ``settings`` as for the engine.
         """
         if isinstance(settings.get("device"), torch.device):
             settings["device"] = str(settings["device"])
@@ -103,14 +118,17 @@ class SpeculativeEngine:
             **settings,
         )
         models = config.models
-        draft, target = load_model_pair(
-            models.draft_model,
-            models.target_model,
-            dtype=models.dtype,
-            device=models.device,
-            draft_dtype=models.draft_dtype,
-        )
-        return cls(draft, target, config)
+        loaded, calibrations = {}, {}
+        for side in ("target", "draft"):
+            spec, dtype = models.for_side(side)
+            loaded[side], calibrations[side] = load_calibrated(
+                spec,
+                side,
+                dtype,
+                device=models.device,
+                max_speculative_tokens=config.speculation.max_speculative_tokens,
+            )
+        return cls(loaded["draft"], loaded["target"], config, calibrations=calibrations)
 
     def generate(
         self,

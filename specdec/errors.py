@@ -27,3 +27,23 @@ class ConfigError(FieldError):
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded, or the draft and target do not fit together."""
+
+
+class MalformedRequest:
+    """Stands in for a request message that did not parse (bytes that are not the method's
+    message, or a string field holding invalid UTF-8).
+
+    Serve's gRPC proxy parses each request with the deserializer its servicer function
+    registered, before any deployment code runs; a parse error there would answer UNKNOWN with
+    a Python exception class in the details. specdec.client.add_servicer_to_server registers
+    a deserializer that returns this instead, the proxy passes it on like a request, and the
+    router answers INVALID_ARGUMENT with ``str(self)``. It is a plain object (pickled from the
+    proxy to the router), never raised.
+    """
+
+    def __init__(self, message_type: str, reason: str) -> None:
+        self.message_type = message_type
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"the request is not a valid {self.message_type} message ({self.reason})"

@@ -1,26 +1,50 @@
 """Choosing k, the number of speculative tokens per round, from measured acceptance and costs.
 
 With per-token acceptance rate a, a round that drafts k tokens commits on average
-E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, equation 1). Its cost is the draft
-time for k tokens, one target verify over k + 1 positions, and the round's orchestration. The
-controller picks the k in [0, k_max] with the highest E(k) / cost(k); k = 0 is plain target
-decoding (E = 1, no draft call). Verify cost is measured for each k separately, because it is not
-flat in k on every machine (DESIGN.md, "Speed").
+E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, equation 1). The controller picks
+the k in [0, k_max] with the highest E(k) / cost(k); k = 0 is plain target decoding (E = 1, no
+draft call).
 
-With a dynamic draft length, that best fixed k only decides whether speculation pays; the round
+The cost of a round follows what the draft and the target actually run:
+
+- k = 0: one target verify over 1 position, plus orchestration.
+- k >= 1: the draft's catch-up (one forward over the 1-2 committed tokens its cache lacks: last
+  round's last accepted token and the bonus or correction token; its logits give the first
+  draft token), then k - 1 draft steps (one forward of one token each), one target verify over
+  k + 1 positions, plus orchestration (two calls).
+
+Verify cost is kept for each k separately, because it is not flat in k on every machine
+(DESIGN.md, "Speed"). Acceptance is per request (AcceptanceEstimator, one per KController); the
+costs are per device and shared by every request of an engine or router (CostModel), so they are
+estimated robustly: each is the median of its last WINDOW steady-state samples, and samples that
+are not steady state are not taken at all (a catch-up over more than CATCHUP_STEADY_TOKENS tokens,
+which is a prefill, a rebuild or a return from plain decoding; a verify or an orchestration time
+of a round in which a side rebuilt its cache). Before a cost is measured, an optional CostPrior
+(the replicas' start-up calibration) stands in for it.
+
+With a dynamic draft length, the best fixed k only decides whether speculation pays; the round
 then drafts up to k_max tokens and the draft stops on its own confidence, at a floor set by the
 marginal cost of one more token (KController.choose).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
+import statistics
 import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from specdec.config import SpeculationConfig
 
-EMA_WEIGHT = 0.2  # weight of a new cost sample
+# Samples per cost estimate. The median of 15 ignores up to 7 arbitrary samples among the last 15
+# and follows a real change of level (load, longer contexts) after 8 samples.
+WINDOW = 15
+# A steady speculative round's draft catch-up feeds 1 token (after a rejection) or 2 (the last
+# draft token and the bonus token, after a full acceptance); more is a prefill or a rebuild.
+CATCHUP_STEADY_TOKENS = 2
 ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
 PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
 PRIOR_REJECTED = 1.0
@@ -35,54 +59,200 @@ def expected_tokens(acceptance_rate: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-class CostModel:
-    """Measured per-round costs, shared by all requests of one engine or router (thread-safe).
+@dataclasses.dataclass(frozen=True)
+class CostPrior:
+    """Costs measured on the devices before any round ran (the replicas' start-up calibration).
 
-    Keeps an exponential moving average of the draft time per drafted token, of the verify time
-    for each k in [0, config.max_speculative_tokens], and of the orchestration overhead of
-    speculative (k > 0) and plain rounds.
+    Attributes:
+        verify_s: seconds of a target verify by number of draft tokens: verify_s[k] is a forward
+            over k + 1 positions, i.e. the target calibration's forward_s[w - 1] for w = k + 1,
+            k = 0 .. k_max (k_max + 1 values). A shorter list is extended with its last value and
+            a longer one cut at k_max (a prior is only a starting point).
+        draft_step_s: seconds of one draft step, a draft forward over 1 position (the draft
+            calibration's forward_s[0]).
+        catchup_s: seconds of a speculative round's draft catch-up over 1-2 committed tokens
+            (e.g. the draft's forward_s[1]); None takes draft_step_s.
+    Raises:
+        ValueError: verify_s empty, or a value not finite and > 0.
     """
 
-    def __init__(self, config: SpeculationConfig) -> None:
+    verify_s: Sequence[float]
+    draft_step_s: float
+    catchup_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_s", tuple(float(v) for v in self.verify_s))
+        values = [*self.verify_s, self.draft_step_s]
+        if self.catchup_s is not None:
+            values.append(self.catchup_s)
+        if not self.verify_s or not all(math.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"CostPrior needs finite seconds > 0 and a verify_s, got {self}")
+
+    def verify_table(self, k_max: int) -> list[float]:
+        """verify_s as k_max + 1 values (extended with its last value, or cut)."""
+        values = list(self.verify_s[: k_max + 1])
+        return values + [values[-1]] * (k_max + 1 - len(values))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTiming:
+    """What one decode round measured, seconds (as the draft and target replicas report it).
+
+    Attributes:
+        verify_s: the target's compute_s.
+        draft_s: the draft's compute_s, its catch-up included (0 when k = 0).
+        catchup_s: of draft_s, the catch-up over the committed tokens the draft's cache lacked.
+        catchup_tokens: tokens fed in that catch-up.
+        overhead_s: the round's wall time outside both models (transport, scheduling).
+        draft_rebuilt, target_rebuilt: that side missed its cache and the round resent the whole
+            committed sequence, so the side rebuilt the session in this round.
+    """
+
+    verify_s: float
+    draft_s: float = 0.0
+    catchup_s: float = 0.0
+    catchup_tokens: int = 0
+    overhead_s: float = 0.0
+    draft_rebuilt: bool = False
+    target_rebuilt: bool = False
+
+
+class _WindowMedian:
+    """The median of the last WINDOW samples (None before the first)."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+        self.value = statistics.median(self._samples)
+
+
+class CostModel:
+    """Per-round costs, shared by all requests of one engine or router (thread-safe).
+
+    Keeps a robust estimate (the median of the last WINDOW steady-state samples, see the module
+    docstring) of the draft step, of the draft catch-up of a speculative round, of the verify for
+    each k in [0, k_max], and of the orchestration of speculative (k > 0) and plain rounds.
+
+    Args:
+        config: its max_speculative_tokens (k_max) sizes the verify table.
+        prior: start-up calibration used until measurements replace it: a measured cost replaces
+            its prior value outright; a verify cost at an unmeasured k is the prior's value there
+            scaled by the measured/prior ratio interpolated from the nearest measured k (the
+            prior's shape, the measurements' level). None: nothing is known before the first
+            rounds (KController then drafts its initial_k).
+    """
+
+    def __init__(self, config: SpeculationConfig, prior: CostPrior | None = None) -> None:
+        k_max = config.max_speculative_tokens
         self._lock = threading.Lock()
-        self._draft_per_token: float | None = None
-        self._verify: list[float | None] = [None] * (config.max_speculative_tokens + 1)
-        self._overhead: dict[bool, float] = {}
+        self._prior = prior
+        self._prior_verify = prior.verify_table(k_max) if prior else None
+        self._step = _WindowMedian()
+        self._catchup = _WindowMedian()
+        self._verify = [_WindowMedian() for _ in range(k_max + 1)]
+        self._overhead = {True: _WindowMedian(), False: _WindowMedian()}
 
-    def observe(self, k: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
-        """Records one round: k drafted tokens, draft and verify compute, and the rest (seconds)."""
+    def set_prior(self, prior: CostPrior) -> None:
+        """Installs a prior after construction (a router learns the replicas' calibration only
+        once they answer); measurements already taken keep precedence."""
         with self._lock:
-            if k > 0:
-                self._draft_per_token = _ema(self._draft_per_token, draft_s / k)
-            self._verify[k] = _ema(self._verify[k], verify_s)
-            self._overhead[k > 0] = _ema(self._overhead.get(k > 0), max(overhead_s, 0.0))
+            self._prior = prior
+            self._prior_verify = prior.verify_table(len(self._verify) - 1)
 
-    @property
-    def draft_seconds_per_token(self) -> float:
-        """Measured draft time per drafted token, seconds (0 before any round drafted)."""
-        return self._draft_per_token or 0.0
+    def observe(self, k: int, timing: RoundTiming) -> None:
+        """Records one decode round that drafted k tokens (after any confidence stop).
 
-    @property
-    def measured(self) -> bool:
-        return any(v is not None for v in self._verify)
-
-    def verify_seconds(self, k: int) -> float:
-        """Predicted seconds of a verify over k draft tokens (interpolated as round_seconds)."""
-        with self._lock:
-            return _interpolate(self._verify, k)
-
-    def round_seconds(self, k: int) -> float:
-        """Predicted seconds of a round drafting k tokens (needs at least one observation).
-
-        An unmeasured verify cost is interpolated between the nearest measured k on each side,
-        or taken from the nearest one beyond the measured range: an optimistic guess for larger
-        k, which the controller then measures and corrects.
+        Draft steps: (draft_s - catchup_s) / (k - 1), from rounds with k >= 2 (a rebuilt draft
+        included: its rebuild is all in the catch-up). Catch-up: from k >= 1 rounds whose
+        catch-up fed 1..CATCHUP_STEADY_TOKENS tokens. Verify and orchestration: from rounds in
+        which no side rebuilt.
         """
         with self._lock:
-            verify = _interpolate(self._verify, k)
-            overhead = self._overhead.get(k > 0, self._overhead.get(k == 0, 0.0))
-            draft = k * (self._draft_per_token or 0.0)
+            if k >= 2:
+                self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1))
+            steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
+            if k >= 1 and steady_catchup and not timing.draft_rebuilt:
+                self._catchup.add(timing.catchup_s)
+            if not timing.target_rebuilt:
+                self._verify[k].add(timing.verify_s)
+            if not (timing.target_rebuilt or timing.draft_rebuilt):
+                self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
+
+    @property
+    def draft_step_seconds(self) -> float | None:
+        """Seconds of one draft step: measured, else the prior's, else None."""
+        if self._step.value is not None:
+            return self._step.value
+        return self._prior.draft_step_s if self._prior else None
+
+    @property
+    def catchup_seconds(self) -> float | None:
+        """Seconds of a speculative round's draft catch-up: measured, else the prior's, else a
+        draft step (one forward over 1-2 rows costs about one over 1), else None."""
+        if self._catchup.value is not None:
+            return self._catchup.value
+        if self._prior and self._prior.catchup_s is not None:
+            return self._prior.catchup_s
+        return self.draft_step_seconds
+
+    @property
+    def ready(self) -> bool:
+        """Whether round_seconds can price every k: a verify cost and a draft step are known
+        (measured or from the prior)."""
+        with self._lock:
+            has_verify = self._prior_verify is not None or any(
+                v.value is not None for v in self._verify
+            )
+            return has_verify and self.draft_step_seconds is not None
+
+    def verify_seconds(self, k: int) -> float:
+        """Predicted seconds of a verify over k draft tokens (k + 1 positions).
+
+        Measured at k: that. Otherwise, with a prior: the prior's value scaled as the class
+        docstring says. Without one: interpolated between the nearest measured k on each side,
+        or the nearest one beyond the measured range (an optimistic guess for larger k, which
+        the controller then measures and corrects).
+
+        Raises:
+            ValueError: no verify cost is known yet (see ready).
+        """
+        with self._lock:
+            return self._verify_seconds(k)
+
+    def draft_seconds(self, k: int) -> float:
+        """Predicted draft seconds of a round drafting k tokens: 0 for k = 0, else the catch-up
+        plus k - 1 draft steps (needs ready)."""
+        if k == 0:
+            return 0.0
+        return self.catchup_seconds + (k - 1) * self.draft_step_seconds
+
+    def round_seconds(self, k: int) -> float:
+        """Predicted seconds of a round drafting k tokens: draft, verify and orchestration (the
+        other kind of round's orchestration until this kind's is measured; needs ready)."""
+        with self._lock:
+            verify = self._verify_seconds(k)
+            overhead = self._overhead[k > 0].value
+            if overhead is None:
+                overhead = self._overhead[k == 0].value or 0.0
+            draft = self.draft_seconds(k)
         return max(draft + verify + overhead, 1e-9)
+
+    def _verify_seconds(self, k: int) -> float:
+        measured = [v.value for v in self._verify]
+        if measured[k] is not None:
+            return measured[k]
+        prior = self._prior_verify
+        if all(v is None for v in measured):
+            if prior is None:
+                raise ValueError("no verify cost measured yet and no prior")
+            return prior[k]
+        if prior is None:
+            return _interpolate(measured, k)
+        ratios = [None if m is None else m / p for m, p in zip(measured, prior)]
+        return prior[k] * _interpolate(ratios, k)
 
 
 class AcceptanceEstimator:
@@ -120,13 +290,15 @@ class KController:
     """Picks k, and the draft's confidence stop, for each round of one request.
 
     Args:
-        costs: the shared CostModel.
+        costs: the CostModel shared by all requests.
         config: k is at most its max_speculative_tokens (k_max); with its dynamic_draft_length,
             when speculation pays the round drafts up to k_max tokens and the draft stops on its
             confidence (RoundPlan.min_draft_confidence) instead of drafting a fixed k.
         fixed_k: use this k every round (still capped by ``limit``), no confidence stop;
             None = adaptive.
-        initial_k: k of the first rounds, before any cost is measured.
+        initial_k: k of the first rounds, while the costs are not ready (no prior, nothing
+            measured yet).
+        acceptance: this request's acceptance estimate.
     """
 
     costs: CostModel
@@ -140,8 +312,11 @@ class KController:
         """The next round's plan, k at most ``limit`` (tokens left before a length stop, minus
         one).
 
+        After PROBE_EVERY plain rounds in a row, one round drafts k = 1 to re-measure this
+        request's acceptance. Otherwise k maximises E(k) / CostModel.round_seconds(k).
+
         Its ``min_draft_confidence`` is 0, or with a dynamic draft length the marginal rule.
-        Drafting one more token costs its draft step plus what it adds to the verify, and commits
+        Drafting one more token costs a draft step plus what it adds to the verify, and commits
         one more token with about the probability that the draft's block so far is accepted, the
         product of its confidences (an upper estimate: the new token must be accepted too); that
         pays while the product exceeds that marginal cost x the predicted tokens per second of
@@ -151,8 +326,7 @@ class KController:
         cap = max(0, min(self.config.max_speculative_tokens, limit))
         if self.fixed_k is not None:
             return RoundPlan(min(self.fixed_k, cap))
-        draft_s = self.costs.draft_seconds_per_token
-        if not self.costs.measured or draft_s == 0.0:  # no round (or no draft step) measured yet
+        if not self.costs.ready:
             return RoundPlan(min(self.initial_k, cap))
         if self._plain_rounds >= PROBE_EVERY:
             return RoundPlan(min(1, cap))
@@ -168,22 +342,20 @@ class KController:
         if cap > best:
             added = self.costs.verify_seconds(cap) - self.costs.verify_seconds(best)
             verify_s = max(added, 0.0) / (cap - best)
-        return RoundPlan(cap, min((draft_s + verify_s) * tokens_per_s(best), 1.0))
+        marginal_s = self.costs.draft_step_seconds + verify_s
+        return RoundPlan(cap, min(marginal_s * tokens_per_s(best), 1.0))
 
-    def observe(
-        self, k: int, num_accepted: int, draft_s: float, verify_s: float, overhead_s: float
-    ) -> None:
-        """Records a round that drafted k tokens (after any confidence stop)."""
+    def observe(self, k: int, num_accepted: int, timing: RoundTiming) -> None:
+        """Records a round that drafted k tokens (after any confidence stop), num_accepted of
+        them accepted: the acceptance for this request, the costs for all."""
         self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
         self.acceptance.observe(k, num_accepted)
-        self.costs.observe(k, draft_s, verify_s, overhead_s)
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1.0 - EMA_WEIGHT) * old + EMA_WEIGHT * new
+        self.costs.observe(k, timing)
 
 
 def _interpolate(table: list[float | None], k: int) -> float:
+    """table[k], or linear between the nearest non-None entries around k, or the nearest one
+    (table has at least one non-None entry)."""
     if table[k] is not None:
         return table[k]
     below = next(((i, table[i]) for i in range(k - 1, -1, -1) if table[i] is not None), None)

@@ -10,8 +10,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.config import ServiceConfig, SpeculationConfig
 from specdec.decoding.sampling import SamplingParams
-from specdec.errors import InvalidRequestError
+from specdec.errors import ConfigError, InvalidRequestError
 
 AUTO = "auto"
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -44,6 +45,97 @@ class PreparedRequest:
     num_speculative_tokens: int | None
     seed: int
     stop_token_ids: frozenset[int]
+
+
+# Bytes of one sparse q entry on the wire, at most: its token id (a varint of up to 5 bytes for
+# the int32s of a vocabulary, 3 for ids below 2**21) and its float32 probability.
+Q_ENTRY_BYTES = 4 + 4
+# Room the rest of a propose answer or verify call takes beside q: the session's new token ids
+# (a rebuild resends the whole sequence, up to 5 bytes per id) and a few scalars. 1 MiB holds
+# a rebuild of a 200,000-token sequence.
+Q_MESSAGE_HEADROOM_BYTES = 1024**2
+
+
+def check_request_size(
+    prompt: str,
+    messages: Sequence[dict[str, Any]],
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    limits: ServiceConfig,
+) -> None:
+    """Checks a request's sizes against the service's limits, before any work on it: counts
+    first, then lengths (O(1) per item, never a scan of one huge string but for its encoding).
+
+    Args:
+        prompt: the text prompt ("" when unset); messages: [{"role", "content"}].
+        limits: ServiceConfig's max_prompt_bytes, max_messages, max_stop_strings,
+            max_stop_string_chars, max_stop_token_ids.
+    Raises:
+        InvalidRequestError naming the field and the limit (INVALID_ARGUMENT).
+    """
+    _at_most("messages", len(messages), limits.max_messages, "messages", "max_messages")
+    _at_most("stop", len(stop), limits.max_stop_strings, "strings", "max_stop_strings")
+    _at_most(
+        "stop_token_ids",
+        len(stop_token_ids),
+        limits.max_stop_token_ids,
+        "ids",
+        "max_stop_token_ids",
+    )
+    for i, s in enumerate(stop):
+        _at_most(
+            f"stop[{i}]",
+            len(s),
+            limits.max_stop_string_chars,
+            "characters",
+            "max_stop_string_chars",
+        )
+    field = "messages" if messages else "prompt"
+    texts = [prompt, *(m.get("content") or "" for m in messages)]
+    # A character takes 1 to 4 UTF-8 bytes: past the limit in characters is past it in bytes
+    # (refused without encoding a huge text); only a text within 4x of it needs encoding.
+    size = sum(len(text) for text in texts)
+    if limits.max_prompt_bytes < size * 4 and size <= limits.max_prompt_bytes:
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    _at_most(field, size, limits.max_prompt_bytes, "bytes", "max_prompt_bytes")
+
+
+def _at_most(field: str, value: int, limit: int, unit: str, setting: str) -> None:
+    if value > limit:
+        raise InvalidRequestError(field, f"has {value} {unit}; the limit is {limit} ({setting})")
+
+
+def q_message_bytes(vocab_size: int, speculation: SpeculationConfig) -> int:
+    """Bytes of the largest sampled round's q on the wire, headroom for the rest of the message
+    included: k_max rows of min(draft_top_n or vocab_size, vocab_size) entries of Q_ENTRY_BYTES
+    (specdec.decoding.sampling.truncate_top_n)."""
+    top_n = speculation.draft_top_n
+    width = vocab_size if top_n <= 0 or top_n >= vocab_size else top_n
+    return speculation.max_speculative_tokens * width * Q_ENTRY_BYTES + Q_MESSAGE_HEADROOM_BYTES
+
+
+def check_q_message_size(vocab_size: int, speculation: SpeculationConfig, cap_bytes: int) -> None:
+    """Refuses at start-up a draft_top_n whose q would not fit the transport's message cap
+    (Ray Serve's per-replica gRPC transport: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, 4 MiB
+    by default) at k = max_speculative_tokens and any temperature.
+
+    Raises:
+        ConfigError naming draft_top_n, with the sizes and the largest draft_top_n that fits.
+    """
+    size = q_message_bytes(vocab_size, speculation)
+    if size <= cap_bytes:
+        return
+    rows = speculation.max_speculative_tokens
+    fits = max(0, (cap_bytes - Q_MESSAGE_HEADROOM_BYTES) // (rows * Q_ENTRY_BYTES))
+    raise ConfigError(
+        "draft_top_n",
+        f"{speculation.draft_top_n} makes a sampled round's q {size} bytes "
+        f"({rows} rows of {vocab_size if speculation.draft_top_n == 0 else speculation.draft_top_n}"
+        f" tokens x {Q_ENTRY_BYTES} bytes, plus {Q_MESSAGE_HEADROOM_BYTES} for the rest), past "
+        f"the {cap_bytes}-byte message cap of Serve's replica transport "
+        f"(RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH); use draft_top_n <= {fits} with "
+        f"max_speculative_tokens {rows}, or raise that cap on every replica",
+    )
 
 
 def encode_prompt(
@@ -100,7 +192,8 @@ def prepare_request(
 
     Raises:
         InvalidRequestError: empty prompt, ids outside the vocabulary, a prompt that leaves no room
-            in the context, max_new_tokens past the context limit, or k outside [0, k_max].
+            in the context, a stop token id not below the vocabulary size, max_new_tokens past
+            the context limit, or k outside [0, k_max].
     """
     n = len(prompt_ids)
     if n == 0:
@@ -112,6 +205,12 @@ def prepare_request(
             "prompt",
             f"has {n} tokens; the context limit is "
             f"{limits.context_limit}, leaving no room to generate",
+        )
+    bad_stop = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequestError(
+            "stop_token_ids",
+            f"ids must be below the vocabulary size {limits.vocab_size}, got {bad_stop}",
         )
     if params.max_new_tokens > limits.context_limit:
         raise InvalidRequestError(

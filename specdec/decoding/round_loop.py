@@ -18,7 +18,7 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from specdec.config import SpeculationConfig
-from specdec.decoding.controller import CostModel, KController
+from specdec.decoding.controller import CostModel, KController, RoundTiming
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
 from specdec.decoding.stopping import Delta, StopChecker
@@ -111,28 +111,32 @@ class RoundLoop:
         if self._request.num_speculative_tokens != 0 and self._config.concurrent_prefill:
             calls.append(self._propose(0))
         results = await asyncio.gather(*calls)
-        verified = results[0]
-        draft_s = results[1].compute_s if len(results) > 1 else 0.0
+        verified, _ = results[0]
+        draft_s = results[1][0].compute_s if len(results) > 1 else 0.0
         self._recorder.prefill(draft_s, verified.compute_s)
         return self._commit(verified)
 
     async def _round(self) -> Delta:
         plan = self._controller.choose(self._checker.remaining - 1)
         start = time.perf_counter()
-        draft_s, drafts, q = 0.0, [], None
+        proposal, draft_rebuilt, q = worker_pb2.ProposeResponse(), False, None
         if plan.k > 0:
-            proposal = await self._propose(plan.k, plan.min_draft_confidence)
-            draft_s, drafts = proposal.compute_s, list(proposal.token_ids)
+            proposal, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
             q = proposal.q if proposal.HasField("q") else None
-        verified = await self._verify(drafts, q)
-        overhead_s = time.perf_counter() - start - draft_s - verified.compute_s
-        drafted = len(drafts)
-        self._controller.observe(
-            drafted, verified.num_accepted, draft_s, verified.compute_s, overhead_s
+        drafts = list(proposal.token_ids)
+        verified, target_rebuilt = await self._verify(drafts, q)
+        timing = RoundTiming(
+            verify_s=verified.compute_s,
+            draft_s=proposal.compute_s,
+            catchup_s=proposal.catchup_s,
+            catchup_tokens=proposal.catchup_tokens,
+            overhead_s=time.perf_counter() - start - proposal.compute_s - verified.compute_s,
+            draft_rebuilt=draft_rebuilt,
+            target_rebuilt=target_rebuilt,
         )
-        self._recorder.round(
-            drafted, verified.num_accepted, draft_s, verified.compute_s, overhead_s
-        )
+        drafted, accepted = len(drafts), verified.num_accepted
+        self._controller.observe(drafted, accepted, timing)
+        self._recorder.round(drafted, accepted, timing.draft_s, timing.verify_s, timing.overhead_s)
         return self._commit(verified)
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
@@ -140,7 +144,9 @@ class RoundLoop:
         self._ids.extend(delta.token_ids)
         return delta
 
-    async def _propose(self, k: int, min_confidence: float = 0.0) -> worker_pb2.ProposeResponse:
+    async def _propose(
+        self, k: int, min_confidence: float = 0.0
+    ) -> tuple[worker_pb2.ProposeResponse, bool]:
         request = worker_pb2.ProposeRequest(
             num_speculative_tokens=k,
             sampling=self._sampling,
@@ -151,19 +157,24 @@ class RoundLoop:
 
     async def _verify(
         self, drafts: list[int], q: worker_pb2.SparseDistribution | None
-    ) -> worker_pb2.VerifyResponse:
+    ) -> tuple[worker_pb2.VerifyResponse, bool]:
         request = worker_pb2.VerifyRequest(draft_token_ids=drafts, sampling=self._sampling)
         if q is not None:
             request.q.CopyFrom(q)
         return await self._call("target", self._transport.verify, request)
 
-    async def _call(self, side: str, method, request):
+    async def _call(self, side: str, method, request) -> tuple:
         """Sends the tokens committed since the side's last call; on a cache miss, resends the
-        whole committed sequence so the replica rebuilds the session."""
+        whole committed sequence so the replica rebuilds the session.
+
+        Returns (response, rebuilt): rebuilt when the full sequence had to be resent, so the
+        response's compute_s includes the rebuild (not a steady-state cost).
+        """
         known = self._known[side]
         self._set_session(request, known)
         response = await method(request)
-        if response.cache_miss and known:
+        rebuilt = bool(response.cache_miss and known)
+        if rebuilt:
             self._set_session(request, 0)
             response = await method(request)
         if response.cache_miss:
@@ -172,14 +183,17 @@ class RoundLoop:
                 f"{self._request.session_id}"
             )
         self._known[side] = len(self._ids)
-        return response
+        return response, rebuilt
 
     def _set_session(self, request, prefix_len: int) -> None:
+        """Writes the call's SessionTokens; prompt_len lets a target replica that rebuilds replay
+        the prompt's prefill as the one forward it was."""
         request.session.CopyFrom(
             worker_pb2.SessionTokens(
                 session_id=self._request.session_id,
                 prefix_len=prefix_len,
                 new_token_ids=self._ids[prefix_len:],
+                prompt_len=len(self._request.prompt_ids),
             )
         )
 

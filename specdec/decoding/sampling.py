@@ -17,6 +17,11 @@ import torch
 from specdec.errors import InvalidRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 64
+# Temperatures below this are greedy decoding, the limit of sampling as the temperature goes
+# to 0. Dividing logits by a far smaller one overflows (1e-40 is subnormal in float32: the
+# logits become inf and softmax NaN); above it a float32 logit gap of 1e-4 already scales to a
+# factor of e**-10 between the top two tokens, so nothing but exact ties changes.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: completion tokens to generate at most (>= 1).
         temperature: 0 selects greedy decoding (argmax); > 0 divides the logits before softmax.
+            Values below GREEDY_BELOW_TEMPERATURE (1e-5) are stored as 0: greedy.
         top_k: keep the k most likely tokens before sampling; 0 disables.
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 disables.
         seed: seeds every random draw of the request; ``None`` picks a fresh random seed.
@@ -43,6 +49,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

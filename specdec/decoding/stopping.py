@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.errors import InvalidRequestError
+
 STOP = "stop"
 LENGTH = "length"
 
@@ -36,7 +38,13 @@ class StopChecker:
         max_new_tokens: completion tokens allowed, already capped by the context limit; reaching
             it ends with ``finish_reason="length"``.
         stop_token_ids: EOS ids and the request's stop token ids.
-        stop: stop strings.
+        stop: stop strings. The text is decoded with special tokens skipped, so a stop string
+            that is exactly a special token's text ("<|im_start|>") stops at that token, as a
+            stop token id does (same result: the token ends token_ids, the text ends before
+            it).
+    Raises:
+        InvalidRequestError("stop"): a stop string that holds a special token's text beside
+            other text (it could never match the decoded text).
     """
 
     def __init__(
@@ -48,8 +56,17 @@ class StopChecker:
     ) -> None:
         self._tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self._stop_ids = frozenset(stop_token_ids)
-        self._stop = tuple(stop)
+        specials = special_token_ids(tokenizer)
+        self._stop_ids = frozenset(stop_token_ids) | {specials[s] for s in stop if s in specials}
+        self._stop = tuple(s for s in stop if s not in specials)
+        for s in self._stop:
+            inside = next((t for t in specials if t in s), None)
+            if inside is not None:
+                raise InvalidRequestError(
+                    "stop",
+                    f"{s[:50]!r} contains the special token {inside!r}, which the text leaves "
+                    "out; a stop string may be exactly one special token, or contain none",
+                )
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -126,3 +143,18 @@ class StopChecker:
             skip_special_tokens=True,
             clean_up_tokenization_spaces=False,
         )
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """{text: id} of the tokens that decoding with skip_special_tokens leaves out: the
+    tokenizer's special tokens and its added tokens marked special."""
+    specials = {
+        token.content: token_id
+        for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if token.special
+    }
+    for text in tokenizer.all_special_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id >= 0:
+            specials.setdefault(text, token_id)
+    return specials

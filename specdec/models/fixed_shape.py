@@ -8,34 +8,29 @@ different shapes, and in bfloat16 the logits are coarse (1/8 apart near 20), so 
 tokens often tie or nearly tie and the argmax at a position could follow k. Measured on the
 bundled Qwen pair: 2 of 12 HumanEval prompts diverged from target-only within 10 tokens.
 
-Two things make every decode-time position see exactly the same arithmetic:
+Three things make every decode-time position see exactly the same arithmetic, in any dtype:
 
-1. Fixed width (TargetVerifier): every decode forward runs the same number of positions,
-   k_max + 1, real ones first, so each matmul has one shape and a row's result depends on that
-   row alone.
+1. Exact widths (measure_width_classes, chosen by specdec.models.calibration): a GEMM kernel
+   picks its code path by the number of rows, so a row's result can depend on how many rows
+   share the call (one 2-core AVX-512 CPU's float32 GEMM rounds a 1-row call one way, 2-15 rows
+   another, 16 or more a third) and even on where the row sits (the tiny test target's
+   bfloat16 lm_head computed the middle row of odd-width calls apart, OpenMP splitting the rows
+   between two threads). The replica measures which widths agree bitwise and the verifier pads
+   every decode forward to one of them, real rows first and copies of the last one after.
 2. Row-wise attention (this module): inside such a forward, position j attends to exactly its
    own causal prefix, as a single-query attention over keys [0, p_j], which is precisely the
    computation a lone position gets. A causal mask over a shared key block would instead give
    each row a different key length, and kernels tile the softmax and the value reduction by
    that length.
+3. Replayed rebuilds (TargetVerifier): a session rebuilt from its token ids runs the prompt as
+   the one prefill forward it was, then the rest in exact widths, so its cache is bitwise the
+   uninterrupted session's.
 
-On CPUs with AMX (and on GPUs) a forward over 9 positions costs about what 1 costs, so this is
-nearly free there; the per-row attention adds 28 x 9 small calls per forward (a few ms).
-
-3. A measured width (calibrate_fixed_width): one shape is not enough when a kernel computes a
-   row differently depending on where it sits in the call. On a 2-core AVX-512 CPU without
-   bfloat16 hardware, the tiny test target's bfloat16 lm_head computed row 4 of a 9-row call
-   unlike row 0 (OpenMP splits the rows between the two threads), while widths 10 to 14 were
-   position-invariant. So the verifier measures, at start-up and on its own device and thread
-   count, the smallest width >= k_max + 1 at which a position's logits are the same in every row
-   of the call, and pads to it.
+On CPUs with AMX (and on GPUs) a forward over 13 positions costs about what 1 costs, so the
+padding is nearly free there; the per-row attention adds 28 x 13 small calls per forward.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import logging
-import time
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -43,7 +38,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ROW_WISE_ATTENTION = "specdec_row_wise_sdpa"
 CALIBRATION_PREFIX_TOKENS = 16  # cache length the calibration forwards extend
-log = logging.getLogger(__name__)
 
 
 def row_wise_attention(
@@ -54,9 +48,10 @@ def row_wise_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention computed one query position at a time when the forward
-    extends a cache by a few positions; plain SDPA otherwise (a prefill or a rebuild, whose
-    queries start at key 0 and whose single forward is the same whatever k is).
+    """Scaled dot-product attention computed one query position at a time, unmasked, whenever
+    the forward extends a cache (a lone position too: SDPA given a mask may take another kernel
+    than SDPA given none); plain SDPA for a prefill, whose queries start at key 0 and whose
+    single forward is the same whatever k is.
 
     Args:
         query: [1, heads, q_len, head_dim], the forward's new positions, in order.
@@ -69,7 +64,7 @@ def row_wise_attention(
         ValueError: a batch larger than 1 (the engine runs one session per forward).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
-    if q_len == 1 or kv_len == q_len:  # one position, or no cache before the new positions
+    if kv_len == q_len:  # a prefill: no cache before the new positions
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(
@@ -79,11 +74,13 @@ def row_wise_attention(
     rows = []
     for j in range(q_len):
         end = kv_len - (q_len - 1 - j)  # keys [0, end) are position j's causal prefix
+        # Contiguous copies: the kernel's reduction rounds by the memory layout too, and a
+        # prefix view of a longer block is laid out unlike the same keys at the end of a call.
         out, _ = sdpa_attention_forward(
             module,
-            query[:, :, j : j + 1],
-            key[:, :, :end],
-            value[:, :, :end],
+            query[:, :, j : j + 1].contiguous(),
+            key[:, :, :end].contiguous(),
+            value[:, :, :end].contiguous(),
             None,
             is_causal=False,
             **kwargs,
@@ -100,117 +97,120 @@ def use_row_wise_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(ROW_WISE_ATTENTION)
 
 
-@dataclasses.dataclass(frozen=True)
-class WidthCalibration:
-    """What calibrate_fixed_width measured.
-
-    Attributes:
-        width: the chosen fixed width (positions per decode forward).
-        invariant: whether ``width`` passed; False means no candidate did and ``width`` is the
-            smallest candidate (greedy output may then depend on k on this device).
-        tried: {width: passed} for every candidate measured, in order.
-        seconds: wall time of the measurement.
-    """
-
-    width: int
-    invariant: bool
-    tried: dict[int, bool]
-    seconds: float
-
-
-def calibrate_fixed_width(
+def measure_width_classes(
     model: torch.nn.Module,
-    vocab_size: int,
-    min_width: int,
+    max_width: int,
     *,
-    max_extra: int = 8,
-    time_budget_s: float = 1.0,
-    max_trials: int = 4096,
-    seed: int = 0,
-) -> WidthCalibration:
-    """The smallest fixed width >= ``min_width`` whose decode forwards are position-invariant on
-    this device: a token's logits are bitwise the same whatever row of the call it occupies, so
-    a verify with k = width - 1 and target-only decoding padded to ``width`` agree.
+    generator: torch.Generator,
+    elements: int = 500_000,
+    max_trials: int = 2048,
+) -> list[list[int]]:
+    """Groups the widths 1 .. max_width by the bitwise result their forwards give a row.
 
-    Two measurements per candidate width, both on this process's device and thread count:
-
-    - every distinct linear layer (the GEMMs, where kernels split rows between threads and
-      handle tail rows apart) is called on random rows and on the same rows permuted, until
-      ``time_budget_s`` seconds or ``max_trials`` trials (at least one); a rounding difference
-      flips a bfloat16 output in about one element in 10^4, so small layers need thousands of
-      trials and a real vocabulary's lm_head fails at once;
-    - one whole forward of ``width`` real tokens against the same tokens fed one per forward,
-      each padded to ``width`` (attention, norms and the cache included).
+    Every distinct linear layer (the GEMMs, where kernels pick a code path by the number of rows
+    and split rows between threads) is called on the same random rows at every width; two
+    widths share a class when every row they share came out bitwise equal, in every trial. A
+    width whose rows also change when the rows are permuted within the call (a row's result
+    depends on where it sits) belongs to no class. Each layer gets enough trials to compare
+    about ``elements`` outputs per width (at most ``max_trials``, at least one): a rounding
+    difference flips a bfloat16 output in about one element in 10^4, so a small layer needs
+    thousands of trials while a real vocabulary's lm_head shows it in one. The count is fixed
+    by sizes, not by time, so a busy machine measures as much as an idle one.
 
     Args:
-        model: a causal LM using row_wise_attention, on its device, in its serving dtype.
-        vocab_size: tokens the whole-forward check may draw (the tokenizer's size).
-        min_width: the smallest width allowed, k_max + 1.
-        max_extra: candidates are min_width .. min_width + max_extra.
+        model: a causal LM in its serving dtype, on its device.
+        max_width: the widest forward measured, in positions.
+        generator: the source of the random rows.
     Returns:
-        WidthCalibration; its width is min_width when no candidate passes (logged as a warning).
+        Classes as ascending lists of widths, in order of their smallest width.
     """
-    start = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    tried: dict[int, bool] = {}
-    for width in range(min_width, min_width + max_extra + 1):
-        tried[width] = _linears_invariant(
-            model, width, generator, time_budget_s, max_trials
-        ) and _forward_invariant(model, vocab_size, width, generator)
-        if tried[width]:
-            break
-    invariant = any(tried.values())
-    chosen = width if invariant else min_width
-    result = WidthCalibration(chosen, invariant, tried, time.perf_counter() - start)
-    if not invariant:
-        log.warning("no position-invariant width in %s: greedy output may depend on k", tried)
-    log.info("fixed width %d (measured %s in %.1f s)", chosen, tried, result.seconds)
-    return result
-
-
-@torch.inference_mode()
-def _linears_invariant(
-    model: torch.nn.Module,
-    width: int,
-    generator: torch.Generator,
-    time_budget_s: float,
-    max_trials: int,
-) -> bool:
     layers: dict[tuple, torch.nn.Linear] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             layers.setdefault((tuple(module.weight.shape), module.weight.dtype), module)
-    deadline = time.perf_counter() + time_budget_s
-    for trial in range(max_trials):
-        if trial and time.perf_counter() > deadline:
-            break
-        for layer in layers.values():
-            weight = layer.weight
-            rows = torch.randn(1, width, weight.shape[1], generator=generator)
-            rows = rows.to(dtype=weight.dtype, device=weight.device)
-            order = torch.randperm(width, generator=generator).to(weight.device)
-            if not torch.equal(layer(rows)[:, order], layer(rows[:, order])):
-                return False
-    return True
+    widths = range(1, max_width + 1)
+    same = {(a, b): True for a in widths for b in widths if a < b}
+    invariant = dict.fromkeys(widths, True)
+    for layer in layers.values():
+        trials = min(max_trials, max(1, -(-elements // (layer.weight.shape[0] * max_width))))
+        for _ in range(trials):
+            _compare_widths(layer, max_width, generator, same, invariant)
+    classes: list[list[int]] = []
+    for width in (w for w in widths if invariant[w]):
+        home = next((c for c in classes if all(same[(m, width)] for m in c)), None)
+        if home is None:
+            classes.append([width])
+        else:
+            home.append(width)
+    return classes
 
 
 @torch.inference_mode()
-def _forward_invariant(
-    model: torch.nn.Module, vocab_size: int, width: int, generator: torch.Generator
+def _compare_widths(
+    layer: torch.nn.Linear,
+    max_width: int,
+    generator: torch.Generator,
+    same: dict[tuple[int, int], bool],
+    invariant: dict[int, bool],
+) -> None:
+    """One trial of measure_width_classes on one layer; clears the flags it disproves."""
+    weight = layer.weight
+    rows = torch.randn(1, max_width, weight.shape[1], generator=generator)
+    rows = rows.to(dtype=weight.dtype, device=weight.device)
+    outputs = {}
+    for width in range(1, max_width + 1):
+        outputs[width] = layer(rows[:, :width])
+        if invariant[width] and width > 1:
+            order = torch.randperm(width, generator=generator).to(weight.device)
+            moved = layer(rows[:, :width][:, order])
+            invariant[width] = torch.equal(outputs[width][:, order], moved)
+    for (a, b), still in same.items():
+        if still:
+            same[(a, b)] = torch.equal(outputs[a], outputs[b][:, :a])
+
+
+@torch.inference_mode()
+def whole_forward_exact(
+    model: torch.nn.Module,
+    vocab_size: int,
+    widths: tuple[int, ...],
+    generator: torch.Generator,
+    *,
+    elements: int = 200_000,
+    max_trials: int = 64,
 ) -> bool:
+    """Whether whole forwards (attention, norms and the cache included) agree across
+    ``widths``: a block of max(widths) random tokens in one forward against the same tokens fed
+    in random-length pieces, each padded to the smallest width of ``widths`` that holds it with
+    copies of its last token, the padding cropped from the cache as the verifier does (one
+    width alone: each token on its own, padded); every logit compared bitwise. Repeats with new
+    blocks and splits until about ``elements`` logits were compared (at most ``max_trials``,
+    at least one trial).
+    """
     device = model.device
     prefix = torch.randint(vocab_size, (1, CALIBRATION_PREFIX_TOKENS), generator=generator)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix.to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    block = torch.randint(vocab_size, (width,), generator=generator).to(device)
-    together = _logits(model, cache, block)
-    for j in range(width):
-        padded = block[j].repeat(width)  # the real token, then copies of it as padding
-        _crop_to(cache, CALIBRATION_PREFIX_TOKENS + j)
-        alone = _logits(model, cache, padded)[0]
-        _crop_to(cache, CALIBRATION_PREFIX_TOKENS + j + 1)
-        if not torch.equal(alone, together[j]):
-            return False
+    widest = max(widths)
+    for _ in range(min(max_trials, max(1, -(-elements // (vocab_size * widest))))):
+        block = torch.randint(vocab_size, (widest,), generator=generator).to(device)
+        together = _logits(model, cache, block)
+        _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
+        start = 0
+        while start < widest:
+            # A random split, so rows move to other places and other widths of the class.
+            real = int(torch.randint(1, widest - start + 1, (1,), generator=generator))
+            width = min(w for w in widths if w >= real)
+            if len(widths) == 1:
+                real = 1  # one width: each token alone at row 0, padded to it
+            chunk = block[start : start + real]
+            padded = torch.cat([chunk, chunk[-1:].repeat(width - real)])
+            apart = _logits(model, cache, padded)[:real]
+            _crop_to(cache, CALIBRATION_PREFIX_TOKENS + start + real)
+            if not torch.equal(apart, together[start : start + real]):
+                return False
+            start += real
+        _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
     return True
 
 

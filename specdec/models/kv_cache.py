@@ -31,6 +31,7 @@ class SessionEntry:
     cached_ids: list[int] = dataclasses.field(default_factory=list)
     committed: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
+    prompt_len: int = 0  # leading committed tokens that are the prompt (its prefill's width)
 
     def crop(self, length: int) -> None:
         """Drops KV beyond the first ``length`` cached tokens."""
@@ -85,7 +86,8 @@ class SessionCacheStore:
             entry = self._entries.get(session.session_id)
         if session.prefix_len == 0:
             if entry is None:
-                entry = SessionEntry(cache=self._new_cache())
+                # Without a prompt_len, the first call's sequence is taken as the prompt.
+                entry = SessionEntry(cache=self._new_cache(), prompt_len=len(new_ids))
             committed = new_ids
         elif entry is not None and len(entry.committed) == session.prefix_len:
             committed = entry.committed + new_ids
@@ -98,6 +100,10 @@ class SessionCacheStore:
         # (draft tokens fed in the last call) can disagree with the new sequence.
         start = min(len(entry.committed), len(entry.cached_ids)) if session.prefix_len else 0
         keep = min(_common_prefix(entry.cached_ids, committed, start), len(committed) - 1)
+        if session.prompt_len:
+            entry.prompt_len = session.prompt_len
+        if keep < entry.prompt_len:
+            keep = 0  # a partly cached prompt is prefilled again whole, as it first was
         entry.crop(keep)
         entry.committed = committed
         return ActiveSession(session.session_id, entry, committed, committed[keep:])

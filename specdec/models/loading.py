@@ -25,7 +25,7 @@ from specdec.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "int8": float32 weights quantized after loading (see _quantize_int8); meant for draft models.
+# "int8": float32 weights quantized after loading (see quantize_int8); meant for draft models.
 INT8 = "int8"
 
 
@@ -98,7 +98,7 @@ def load_model(
         spec: local directory, cached model id, path to a ``.gguf`` file, or ``bundled:draft`` /
             ``bundled:target`` (the bundled pair, converted on first use: specdec.pairs.bundled).
         dtype: "float32", "bfloat16", "float16", or "int8" (CPU only: every Linear layer
-            dynamically quantized to int8, see _quantize_int8; for draft models).
+            dynamically quantized to int8, see quantize_int8; for draft models).
         device: "cpu", "cuda", "cuda:N".
     Raises:
         ModelLoadError: not found locally, unknown dtype, int8 on a GPU, or a vocabulary the
@@ -128,7 +128,7 @@ def load_model(
             f"has {vocab_size} ids"
         )
     if dtype == INT8:
-        _quantize_int8(model)
+        quantize_int8(model)
     return LoadedModel(
         name=str(spec),
         model=model,
@@ -181,7 +181,7 @@ def _resolve_bundled(spec: str | os.PathLike, dtype: str) -> str | os.PathLike:
     return bundled.resolve(spec, dtype) if str(spec).startswith(bundled.SPEC_PREFIX) else spec
 
 
-def _quantize_int8(model: PreTrainedModel) -> None:
+def quantize_int8(model: PreTrainedModel) -> None:
     """Replaces every nn.Linear by a dynamically quantized one, in place (CPU, fbgemm).
 
     Weights become int8 with one scale per output channel; activations are quantized per call.

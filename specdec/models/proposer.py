@@ -41,17 +41,26 @@ class DraftProposer(SessionModel):
 
         k = 0 is prefill: it only builds the cache. The last draft token is not run through the
         model; its KV is computed next round if the target accepts it.
+
+        The response's catchup_s and catchup_tokens time the catch-up (the feed of the committed
+        tokens the cache lacked, whose logits give the first draft token) apart from the k - 1
+        draft steps after it, so the controller prices each separately (all of a k = 0 call is
+        catch-up).
         """
         start = time.perf_counter()
         with self.session(request.session) as active:
             if active is None:
                 return worker_pb2.ProposeResponse(cache_miss=True)
             k = request.num_speculative_tokens
-            logits = self.feed(active, active.pending, num_logits=1)[0]
+            pending = active.pending
+            logits = self.feed(active, pending, num_logits=1)[0]
+            catchup_s = time.perf_counter() - start
+            response = worker_pb2.ProposeResponse(catchup_s=catchup_s, catchup_tokens=len(pending))
             if k == 0:
-                return worker_pb2.ProposeResponse(compute_s=time.perf_counter() - start)
+                response.compute_s = catchup_s
+                return response
             tokens, q_ids, q_probs = self._draft(active, logits, request)
-        response = worker_pb2.ProposeResponse(token_ids=tokens)
+        response.token_ids.extend(tokens)
         if q_ids:
             _fill_sparse(response.q, torch.stack(q_ids), torch.stack(q_probs))
         response.compute_s = time.perf_counter() - start

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.config import SpecdecConfig
+from specdec.models.calibration import Calibration
 from specdec.models.kv_cache import ActiveSession, SessionCacheStore
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
@@ -21,10 +22,15 @@ class SessionModel:
         loaded: the model and tokenizer.
         config: its models.cache_capacity_bytes bounds the session LRU, in bytes of key and
             value tensors.
+        calibration: what the replica measured on its device at start-up
+            (specdec.models.calibration), kept for reporting; None when not measured.
     """
 
-    def __init__(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: SpecdecConfig, calibration: Calibration | None = None
+    ) -> None:
         self.loaded = loaded
+        self.calibration = calibration
         self.sessions = SessionCacheStore(
             config.models.cache_capacity_bytes, lambda: DynamicCache(config=loaded.model.config)
         )

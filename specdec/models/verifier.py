@@ -9,11 +9,9 @@ import torch
 from specdec.config import SpecdecConfig
 from specdec.decoding.rejection import verify_greedy, verify_sampled
 from specdec.decoding.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.models.fixed_shape import (
-    WidthCalibration,
-    calibrate_fixed_width,
-    use_row_wise_attention,
-)
+from specdec.models.calibration import Calibration, ExactWidths, calibrate
+from specdec.models.fixed_shape import use_row_wise_attention
+from specdec.models.kv_cache import ActiveSession
 from specdec.models.loading import LoadedModel
 from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
@@ -21,38 +19,39 @@ from specdec.v1 import worker_pb2
 TARGET_STREAM = "target"
 
 
-HALF_PRECISION = (torch.bfloat16, torch.float16)
-
-
 class TargetVerifier(SessionModel):
     """Runs the target model over session caches.
 
     Args:
-        loaded: as SessionModel.
-        config: the session cache bound (as SessionModel), and the fixed width: when
-            models.fixed_shape_verify is True, or None and the loaded target is in half
-            precision, every decode forward runs exactly ``fixed_width`` positions (the smallest
-            width >= speculation.max_speculative_tokens + 1 that calibrate_fixed_width measured
-            to be position-invariant on this device), the real ones first and copies of
-            the last one after them, with row-wise attention, so that a position's logits do not
-            depend on k (specdec.models.fixed_shape explains why bfloat16 needs it). Causal
-            attention keeps the padding out of the real positions, and the padding's KV is
-            cropped. ``fixed_width`` is None when off.
+        loaded: as SessionModel, in the dtype it will run in.
+        config: the session cache bound (as SessionModel), k_max, and
+            models.fixed_shape_verify: unless it is False, every decode forward is padded to
+            one of the widths the device calibration found exact (``exact``), with row-wise
+            attention, so a position's logits do not depend on k, and a rebuild replays the
+            prompt's prefill (specdec.models.fixed_shape explains why).
+        calibration: what the replica measured at start-up (specdec.models.calibration);
+            None measures it now, in the loaded dtype.
+    Attributes:
+        exact: the exact widths and their costs; None when fixed shapes are off or the device
+            has no exact class (logged).
     """
 
-    def __init__(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
-        super().__init__(loaded, config)
-        fixed_shape = config.models.fixed_shape_verify
-        if fixed_shape is None:
-            fixed_shape = loaded.model.dtype in HALF_PRECISION
-        self.fixed_width: int | None = None
-        self.calibration: WidthCalibration | None = None
-        if fixed_shape:
-            use_row_wise_attention(loaded.model)
-            self.calibration = calibrate_fixed_width(
-                loaded.model, loaded.vocab_size, config.speculation.max_speculative_tokens + 1
+    def __init__(
+        self, loaded: LoadedModel, config: SpecdecConfig, calibration: Calibration | None = None
+    ) -> None:
+        if calibration is None:
+            loaded, calibration = calibrate(
+                loaded,
+                "target",
+                [_dtype_name(loaded.model.dtype)],
+                max_speculative_tokens=config.speculation.max_speculative_tokens,
+                automatic=False,
             )
-            self.fixed_width = self.calibration.width
+        super().__init__(loaded, config, calibration)
+        self.exact: ExactWidths | None = None
+        if config.models.fixed_shape_verify is not False:
+            use_row_wise_attention(loaded.model)
+            self.exact = calibration.chosen.exact
 
     def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         """Runs the pending committed tokens plus the k draft tokens in one forward pass.
@@ -83,8 +82,12 @@ class TargetVerifier(SessionModel):
                 )
             active.entry.crop(len(active.committed) + num_accepted)
         emitted = drafts[:num_accepted] + [next_token]
-        logprobs = torch.log_softmax(logits[: num_accepted + 1], dim=-1)
-        emitted_logprobs = logprobs[torch.arange(num_accepted + 1), torch.tensor(emitted)]
+        # Row by row, each copied to fresh memory: a vectorized reduction rounds a row by its
+        # alignment too, so a row's place in the batch must not decide its last bit.
+        rows = enumerate(emitted)
+        emitted_logprobs = torch.stack(
+            [logits[i, token] - torch.logsumexp(logits[i].clone(), dim=0) for i, token in rows]
+        )
         return worker_pb2.VerifyResponse(
             num_accepted=num_accepted,
             token_ids=emitted,
@@ -92,16 +95,26 @@ class TargetVerifier(SessionModel):
             compute_s=time.perf_counter() - start,
         )
 
-    def _forward(self, active, token_ids: list[int], num_logits: int) -> torch.Tensor:
-        """feed(), padded to the fixed width in decode rounds (not in a prefill or rebuild,
-        whose single forward is the same whatever k is)."""
-        width = self.fixed_width
-        rebuilding = len(active.pending) == len(active.committed)
-        if width is None or rebuilding or len(token_ids) >= width:
+    def _forward(self, active: ActiveSession, token_ids: list[int], num_logits: int):
+        """feed() in the shapes that keep every position's logits independent of k: a prompt
+        not yet cached runs as one prefill forward (as it first did, so a rebuild replays it),
+        the positions after it in exact widths, padded with copies of the last token whose KV
+        is cropped again. Returns [num_logits, vocab] logits of the trailing positions."""
+        if self.exact is None:
             return self.feed(active, token_ids, num_logits)
-        real = len(token_ids)
-        logits = self.feed(active, token_ids + [token_ids[-1]] * (width - real), num_logits=width)
-        return logits[real - num_logits : real]
+        prompt_todo = max(active.entry.prompt_len - len(active.entry.cached_ids), 0)
+        logits = []
+        if prompt_todo:
+            wanted = max(num_logits - (len(token_ids) - prompt_todo), 1)
+            logits.append(self.feed(active, token_ids[:prompt_todo], min(wanted, prompt_todo)))
+        start, rest = prompt_todo, len(token_ids) - prompt_todo
+        for real, width in self.exact.chunks(rest) if rest else ():
+            chunk = token_ids[start : start + real]
+            out = self.feed(active, chunk + [chunk[-1]] * (width - real), num_logits=width)
+            active.entry.crop(len(active.entry.cached_ids) - (width - real))
+            logits.append(out[:real])
+            start += real
+        return torch.cat(logits)[-num_logits:]
 
     def _verify_sampled(
         self,
@@ -122,3 +135,7 @@ class TargetVerifier(SessionModel):
             q = sparse_to_dense(q_ids, q_probs, p.shape[-1])
         generator = request_generator(sampling.seed, TARGET_STREAM, position)
         return verify_sampled(draft_ids, q, p, generator)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

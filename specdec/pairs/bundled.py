@@ -510,8 +510,11 @@ def resolve(
 
     Args:
         spec: a model spec as specdec.models.load_model takes, or ``bundled:<role>``.
-        dtype: the dtype the model will be loaded in (the conversion is kept per dtype; "int8"
-            and other post-load quantizations use the bfloat16 conversion).
+        dtype: the dtype the model will be loaded in. Every dtype but float16 loads the
+            bfloat16 conversion: one stored checkpoint whatever dtype runs it, so float32 (an
+            exact upcast), int8 (quantized after loading) and a dtype chosen by ``auto`` all
+            compute with the same weights, and plain ``generate`` on that directory is the
+            baseline of the same model.
         cache_dir: the models folder (see cache_root).
     Raises:
         ModelLoadError: ``bundled:`` with an unknown role, or as converted_path.
@@ -519,8 +522,7 @@ def resolve(
     text = os.fspath(spec)
     if not text.startswith(SPEC_PREFIX):
         return text
-    # Other load dtypes (int8 quantizes after loading) start from the bfloat16 conversion.
-    conversion = dtype if dtype in CONVERSION_DTYPES else "bfloat16"
+    conversion = "float16" if dtype == "float16" else "bfloat16"
     return str(converted_path(text[len(SPEC_PREFIX) :], conversion, cache_dir))
 
 

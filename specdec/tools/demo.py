@@ -7,7 +7,11 @@
 5. Sends one short chat completion through the OpenAI-compatible HTTP API (port 8000) and
    prints its text and usage.
 6. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
-   plot go to ``--out`` (default ``bench-results/``).
+   plot go to ``--out`` (default ``bench-results/``). Besides the service at k = 0 and
+   speculative, it runs plain_generate (the target alone, transformers generate, fastest dtype
+   here: the baseline of ``vs plain``) and HF assisted generation (transformers' default
+   assistant settings); the in-process engine and the assistant-settings search are skipped to
+   keep `make run` short (`specdec bench` runs both by default).
 7. Stops exactly the cluster it started, whatever happened (a cluster that was already running
    is used, redeployed with local.yaml, and left running).
 """
@@ -150,7 +154,8 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
     """The arguments of the demo's `specdec bench` run, parsed by bench's own parser (so a bench
     flag added or made required shows here, and in a unit test, not minutes into `make run`):
     the first args.limit HumanEval prompts, args.max_new_tokens new tokens, greedy, adaptive k,
-    JSON and plot under args.out."""
+    plain_generate and HF assisted (default settings) but no in-process engine, JSON and plot
+    under args.out."""
     from specdec.tools import bench
 
     out = Path(args.out)
@@ -166,6 +171,8 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
             "--temperature=0",
             "--seed=0",
             "--k=auto",
+            "--no-engine",
+            "--no-hf-tune",
             "--timeout=900",
             f"--json={out / 'make-run.json'}",
             f"--plot={out / 'make-run.png'}",

@@ -4,7 +4,9 @@ Each stage holds a fixed number of concurrent clients for a duration (``--stages
 every client sends one request after the other, round-robin over the prompt set. Per second the
 run records requests started and completed, errors by gRPC code, tokens per second, latency and
 time to first token (TTFT) percentiles, and the RUNNING replica count of every deployment (from
-``serve.status()``, see specdec.tools.replica_monitor). It stops by itself: after the last stage (or
+``serve.status()``, see specdec.tools.replica_monitor). Requests the service refused under load
+(RESOURCE_EXHAUSTED: past the router's ``max_queued_requests``; they never started) are counted
+as ``refused``, apart from failures (``errors``). It stops by itself: after the last stage (or
 ``max_requests``) in-flight requests get ``drain_s`` seconds, then they are cancelled and
 reported as cut.
 
@@ -31,6 +33,8 @@ from specdec.tools.args import add_k_arg
 from specdec.tools.replica_monitor import ReplicaMonitor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
+# The gRPC code of a request refused by backpressure: it never ran, and may be retried later.
+REFUSED = "RESOURCE_EXHAUSTED"
 _STAGE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(ms|s|m)?$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
 
@@ -90,6 +94,7 @@ class RequestResult:
 class _Second:
     started: int = 0
     completed: int = 0
+    refused: int = 0
     errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     tokens: int = 0
     latency_s: list = dataclasses.field(default_factory=list)
@@ -249,6 +254,9 @@ class LoadTest:
         bucket = self._bucket(result.end_s)
         if result.cut:
             return
+        if result.code == REFUSED:
+            bucket.refused += 1
+            return
         if result.code != "OK":
             bucket.errors[result.code] += 1
             return
@@ -301,6 +309,7 @@ class LoadTest:
         done = sum(s.completed for s in recent) / max(1, len(recent))
         toks = sum(s.tokens for s in recent) / max(1, len(recent))
         errors = sum(sum(s.errors.values()) for s in self._seconds)
+        refused = sum(s.refused for s in self._seconds)
         stage = f"stage {self._stage + 1}/{len(self._stages)}" if not self._stopping else "draining"
         replicas = " ".join(
             f"{name[:6]}={n}"
@@ -309,19 +318,22 @@ class LoadTest:
         p95 = f"{lat['p95']:.2f}s" if lat["p95"] is not None else "-"
         return (
             f"{now:6.0f}s {stage} c={self._concurrency} in-flight {len(self._in_flight)} | "
-            f"{done:.1f} req/s {toks:.0f} tok/s p95 {p95} | errors {errors} | {replicas}"
+            f"{done:.1f} req/s {toks:.0f} tok/s p95 {p95} | errors {errors} refused {refused} | "
+            f"{replicas}"
         )
 
     def report(self) -> dict:
         """{"per_second": [...], "stages": [...], "summary": {...}} (JSON-ready).
 
-        per_second: t, stage, concurrency, in_flight, started, completed, errors {code: n},
+        per_second: t, stage, concurrency, in_flight, started, completed, refused
+        (RESOURCE_EXHAUSTED, not in errors), errors {code: n},
         tokens_per_s, latency_s {p50, p95, p99}, ttft_s {p50, p95}, replicas {deployment:
         RUNNING} (latency and TTFT of the requests that completed in that second).
-        stages / summary: counts, errors, requests_per_s and tokens_per_s (completed over the
-        stage's wall time), the same percentiles over the stage's requests (by start time),
-        min/max RUNNING replicas per deployment; the summary's duration_s includes the drain
-        and it adds cut (requests cancelled by the end of the run).
+        stages / summary: counts (refused apart from errors and error_count), requests_per_s
+        and tokens_per_s (completed over the stage's wall time), the same percentiles over the
+        stage's requests (by start time), min/max RUNNING replicas per deployment; the
+        summary's duration_s includes the drain and it adds cut (requests cancelled by the end
+        of the run).
         """
         per_second = [_second_record(t, s) for t, s in enumerate(self._seconds)]
         stages = []
@@ -353,6 +365,7 @@ def _second_record(t: int, s: _Second) -> dict:
         "in_flight": s.in_flight,
         "started": s.started,
         "completed": s.completed,
+        "refused": s.refused,
         "errors": dict(s.errors),
         "tokens_per_s": s.tokens,
         "latency_s": percentiles(s.latency_s, (50, 95, 99)),
@@ -363,7 +376,9 @@ def _second_record(t: int, s: _Second) -> dict:
 
 def _summary(results: Sequence[RequestResult], seconds: Sequence[dict], wall_s: float) -> dict:
     ok = [r for r in results if r.code == "OK" and not r.cut]
-    errors = collections.Counter(r.code for r in results if r.code != "OK" and not r.cut)
+    errors = collections.Counter(
+        r.code for r in results if r.code not in ("OK", REFUSED) and not r.cut
+    )
     replicas: dict[str, dict[str, int]] = {}
     for record in seconds:
         for name, n in (record["replicas"] or {}).items():
@@ -373,6 +388,7 @@ def _summary(results: Sequence[RequestResult], seconds: Sequence[dict], wall_s: 
     return {
         "started": len(results),
         "completed": len(ok),
+        "refused": sum(r.code == REFUSED and not r.cut for r in results),
         "errors": dict(errors),
         "error_count": sum(errors.values()),
         "requests_per_s": round(len(ok) / wall_s, 3),
@@ -522,7 +538,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``specdec loadtest`` (flags: add_cli_args): run, print the summary, write JSON/plot.
 
-    Returns 1 when any request failed, else 0.
+    Returns 1 when any request failed, else 0 (requests refused under load are not failures).
     """
     import json
 
@@ -576,7 +592,8 @@ def format_summary(report: Mapping) -> str:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         replicas = " ".join(f"{d} {r['min']}-{r['max']}" for d, r in s["replicas"].items())
         return (
-            f"{name:<10} {s['completed']:>5}/{s['started']:<5} ok, errors {s['errors'] or 0}, "
+            f"{name:<10} {s['completed']:>5}/{s['started']:<5} ok, refused {s['refused']}, "
+            f"errors {s['errors'] or 0}, "
             f"{s['requests_per_s']:.2f} req/s, {s['tokens_per_s']:.0f} tok/s, latency p50 "
             f"{fmt(lat['p50'])} p95 {fmt(lat['p95'])} s, TTFT p50 {fmt(ttft['p50'])} s"
             + (f", replicas {replicas}" if replicas else "")

@@ -107,7 +107,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens", "draft_dtype", "target_dtype")
+    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens", "draft_dtype", "target_dtype", "draft_calibration", "target_calibration")
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class ModelInfo(_message.Message):
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     draft_model: str
     target_model: str
     vocab_size: int
@@ -130,4 +132,34 @@ class ModelInfo(_message.Message):
     max_speculative_tokens: int
     draft_dtype: str
     target_dtype: str
-    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ...) -> None: ...
+    draft_calibration: DeviceCalibration
+    target_calibration: DeviceCalibration
+    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ..., target_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ...) -> None: ...
+
+class DeviceCalibration(_message.Message):
+    __slots__ = ("device", "dtype", "automatic", "candidates", "exact_widths", "seconds")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    EXACT_WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    dtype: str
+    automatic: bool
+    candidates: _containers.RepeatedCompositeFieldContainer[DtypeCost]
+    exact_widths: _containers.RepeatedScalarFieldContainer[int]
+    seconds: float
+    def __init__(self, device: _Optional[str] = ..., dtype: _Optional[str] = ..., automatic: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[DtypeCost, _Mapping]]] = ..., exact_widths: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DtypeCost(_message.Message):
+    __slots__ = ("dtype", "forward_s", "cache_tokens", "exact")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    forward_s: _containers.RepeatedScalarFieldContainer[float]
+    cache_tokens: int
+    exact: bool
+    def __init__(self, dtype: _Optional[str] = ..., forward_s: _Optional[_Iterable[float]] = ..., cache_tokens: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...

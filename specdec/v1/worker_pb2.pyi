@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionTokens(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "new_token_ids")
+    __slots__ = ("session_id", "prefix_len", "new_token_ids", "prompt_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class SamplingConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -53,16 +55,20 @@ class ProposeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., draft_top_n: _Optional[int] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("cache_miss", "token_ids", "q", "compute_s")
+    __slots__ = ("cache_miss", "token_ids", "q", "compute_s", "catchup_s", "catchup_tokens")
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    CATCHUP_S_FIELD_NUMBER: _ClassVar[int]
+    CATCHUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_miss: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: SparseDistribution
     compute_s: float
-    def __init__(self, cache_miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    catchup_s: float
+    catchup_tokens: int
+    def __init__(self, cache_miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., compute_s: _Optional[float] = ..., catchup_s: _Optional[float] = ..., catchup_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session", "draft_token_ids", "q", "sampling")

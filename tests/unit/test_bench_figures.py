@@ -1,4 +1,5 @@
-"""The benchmark's arithmetic: the predicted bound, summed stats, the table; prompt sets."""
+"""The benchmark's arithmetic: the predicted bound, the dtype pick, summed stats, the summary
+against both baselines, the table; prompt sets."""
 
 from __future__ import annotations
 
@@ -8,42 +9,101 @@ from pathlib import Path
 import pytest
 
 from specdec.decoding.stats import SpeculationStats
-from specdec.tools.bench import PromptResult, Run, format_table, predicted_speedup, summarize
+from specdec.tools.bench_figures import (
+    PromptResult,
+    Run,
+    StepCosts,
+    format_table,
+    legend,
+    predicted_bound,
+    step_costs,
+    summarize,
+)
+from specdec.tools.bench_inprocess import choose_dtype
 from specdec.tools.datasets import BenchPrompt, load_prompts
+from specdec.v1 import specdec_pb2
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
 
+# Draft forwards over 1, 2, 3 positions; target forwards over 1..6 positions.
+DRAFT_S = (0.05, 0.06, 0.07)
+VERIFY_S = (0.3, 0.3, 0.31, 0.32, 0.33, 0.4)
+COSTS = StepCosts(
+    plain_step_s=0.2, plain_dtype="float32", draft_forward_s=DRAFT_S, verify_forward_s=VERIFY_S
+)
 
-def _target_only(rounds=11, step_s=0.3, prefill_s=1.0):
+
+def _rounds_stats():
+    # 10 decode rounds: 2 drafted nothing, 3 drafted 2 tokens, 5 drafted 3 tokens.
     return SpeculationStats(
-        rounds=rounds,
-        verify_time_s=prefill_s + (rounds - 1) * step_s,
-        prefill_verify_time_s=prefill_s,
-    )
-
-
-def test_bound_is_tokens_per_round_over_round_cost_in_target_steps():
-    # 10 decode rounds of k = 4 committing 33 accepted + 10 = 4.3 tokens per round; draft
-    # 0.05 s/token, verify 0.3 s per round; a target-only step is 0.3 s.
-    spec = SpeculationStats(
         rounds=11,
-        draft_tokens=40,
-        accepted_tokens=33,
-        draft_time_s=0.2 + 10 * 4 * 0.05,
-        prefill_draft_time_s=0.2,
-        verify_time_s=1.0 + 10 * 0.3,
-        prefill_verify_time_s=1.0,
+        draft_tokens=3 * 2 + 5 * 3,
+        accepted_tokens=7 + 6 + 2,
+        drafted_per_position=[8, 8, 5, 0],
+        accepted_per_position=[7, 6, 2, 0],
     )
-    assert predicted_speedup(spec, _target_only()) == pytest.approx(4.3 * 0.3 / 0.5)
 
 
-def test_bound_needs_decode_rounds_on_both_sides():
-    spec = SpeculationStats(
-        rounds=3, draft_tokens=5, accepted_tokens=2, draft_time_s=0.5, verify_time_s=0.6
-    )
-    assert predicted_speedup(spec, _target_only()) == pytest.approx(2.0 * 0.3 / 0.55)
-    assert predicted_speedup(SpeculationStats(rounds=1), _target_only()) is None
-    assert predicted_speedup(spec, SpeculationStats(rounds=1)) is None
+def test_bound_prices_each_drafted_length_with_isolated_costs():
+    bound = predicted_bound(_rounds_stats(), COSTS)
+    # Tokens per round: 1 + (7 + 6 + 2) / 10.
+    assert bound.tokens_per_round == pytest.approx(2.5)
+    # k=0 rounds: verify(1) = 0.3. Two-token rounds: catch-up at full-acceptance share 6/8,
+    # 0.25 * 0.05 + 0.75 * 0.06 = 0.0575, one step 0.05, verify(3) 0.31 -> 0.4175.
+    # Three-token rounds: share 2/5, 0.6 * 0.05 + 0.4 * 0.06 = 0.054, two steps 0.1,
+    # verify(4) 0.32 -> 0.474.
+    round_s = (2 * 0.3 + 3 * 0.4175 + 5 * 0.474) / 10
+    assert bound.round_s == pytest.approx(round_s)
+    assert bound.speedup == pytest.approx(2.5 * 0.2 / round_s)
+    assert bound.tokens_per_second == pytest.approx(2.5 / round_s)
+
+
+def test_bound_pads_the_verify_to_the_cheapest_exact_width():
+    # Exact widths 1, 4, 6: a 3-row verify runs at width 4 (0.32), a 4-row one too.
+    padded = dataclasses.replace(COSTS, exact_widths=(1, 4, 6))
+    round_s = (2 * 0.3 + 3 * (0.0575 + 0.05 + 0.32) + 5 * (0.054 + 0.1 + 0.32)) / 10
+    assert predicted_bound(_rounds_stats(), padded).round_s == pytest.approx(round_s)
+
+
+def test_bound_is_not_claimed_without_calibration_or_decode_rounds():
+    assert predicted_bound(_rounds_stats(), None) is None
+    assert predicted_bound(SpeculationStats(rounds=1), COSTS) is None
+
+
+def _calibration(message, dtype, costs):
+    message.dtype, message.device = dtype, "cpu: test"
+    for name, forward_s in costs.items():
+        message.candidates.add(dtype=name, forward_s=forward_s)
+
+
+def test_step_costs_come_from_the_replicas_calibration():
+    info = specdec_pb2.ModelInfo()
+    assert step_costs(info) is None  # an older replica: no calibration, no bound
+    _calibration(info.target_calibration, "bfloat16", {"float32": [0.2, 0.5], "bfloat16": [0.3]})
+    assert step_costs(info) is None  # the draft side is missing
+    _calibration(info.draft_calibration, "int8", {"int8": DRAFT_S, "float32": [0.1, 0.2, 0.3]})
+    info.target_calibration.exact_widths.extend([1, 4])
+    costs = step_costs(info)
+    assert costs.plain_step_s == pytest.approx(0.2) and costs.plain_dtype == "float32"
+    assert costs.verify_forward_s == pytest.approx((0.3,))
+    assert costs.draft_forward_s == pytest.approx(DRAFT_S)
+    assert costs.exact_widths == (1, 4)
+
+
+def test_dtype_pick_keeps_the_fastest_that_ran():
+    seconds = {"float32": 2.0, "bfloat16": 1.5, "float16": None}
+    measured = []
+
+    def measure(dtype):
+        measured.append(dtype)
+        return seconds[dtype]
+
+    best, timings = choose_dtype(["float32", "bfloat16", "float16"], measure)
+    assert best == "bfloat16" and timings == seconds
+    assert measured == ["float32", "bfloat16", "float16"]
+    assert choose_dtype(["a", "b"], lambda d: 1.0)[0] == "a"  # a tie keeps the first
+    with pytest.raises(RuntimeError, match="no dtype"):
+        choose_dtype(["float16"], lambda d: None)
 
 
 def test_summed_stats_add_counts_and_recompute_rates():
@@ -71,15 +131,24 @@ def test_summed_stats_add_counts_and_recompute_rates():
     assert total.accepted_per_position == [4, 2] and total.drafted_per_position == [6, 6]
 
 
-def _service_run(mode, stats, tokens, seconds, ttft_s):
-    stats = dataclasses.replace(stats, completion_tokens=tokens, wall_time_s=seconds, ttft_s=ttft_s)
-    return Run(mode, list(range(tokens)), "", stats.tokens_per_second, ttft_s, stats)
+def _run(mode, tokens, seconds, ttft_s, stats=None, token_ids=None):
+    if stats is not None:
+        stats = dataclasses.replace(
+            stats, completion_tokens=tokens, wall_time_s=seconds, ttft_s=ttft_s
+        )
+    ids = list(range(tokens)) if token_ids is None else token_ids
+    return Run(mode, ids, "", tokens / seconds, ttft_s, stats)
 
 
-def test_summary_figures_are_ratios_of_sums_over_decode_rounds():
-    # Target only: 11 tokens in 4 s and 6 in 2 s, TTFT 1 s. Speculative: the same tokens in half
-    # the time, TTFT 0.5 s, in 1 + 4 and 1 + 2 rounds (6 of 8 and 3 of 4 drafted accepted).
-    base = [_target_only(rounds=11), _target_only(rounds=6, step_s=0.2, prefill_s=0.5)]
+def _target_only(rounds):
+    return SpeculationStats(rounds=rounds, verify_time_s=0.3 * rounds)
+
+
+def _results():
+    """Two prompts of 11 and 6 tokens. target_only: 4 s and 2 s, TTFT 1 s; speculative: half
+    that, TTFT 0.5 s, in 1 + 4 and 1 + 2 rounds of 2 drafted tokens (6 of 8 and 3 of 4
+    accepted); engine: a quarter, TTFT 0.25 s; plain_generate: 3 s and 1.5 s, TTFT 0.6 s, its
+    second output differing from the others."""
     spec = [
         SpeculationStats(
             rounds=5,
@@ -102,29 +171,71 @@ def test_summary_figures_are_ratios_of_sums_over_decode_rounds():
             drafted_per_position=[2, 2],
         ),
     ]
-    results = [
-        PromptResult(
-            BenchPrompt(str(i), "c", prompt="x"),
-            {
-                "target_only": _service_run("target_only", b, tokens, seconds, 1.0),
-                "speculative": _service_run("speculative", s, tokens, seconds / 2, 0.5),
-            },
-        )
-        for i, (b, s, tokens, seconds) in enumerate(zip(base, spec, (11, 6), (4.0, 2.0)))
-    ]
-    row = summarize(results, greedy=True)["speculative"]
+    results = []
+    for i, (s, tokens, seconds) in enumerate(zip(spec, (11, 6), (4.0, 2.0))):
+        plain_ids = list(range(tokens)) if i == 0 else [7] * tokens
+        runs = {
+            "target_only": _run("target_only", tokens, seconds, 1.0, _target_only(tokens)),
+            "speculative": _run("speculative", tokens, seconds / 2, 0.5, s),
+            "engine": _run("engine", tokens, seconds / 4, 0.25, s),
+            "plain_generate": _run("plain_generate", tokens, seconds * 0.75, 0.6, None, plain_ids),
+        }
+        results.append(PromptResult(BenchPrompt(str(i), "c", prompt="x"), runs))
+    return results
+
+
+def test_summary_names_both_baselines_and_prices_the_bound():
+    summary = summarize(_results(), greedy=True, costs=COSTS)
+    row = summary["speculative"]
     assert row["tokens_per_second"] == pytest.approx(17 / 3.0)
-    assert row["speedup"] == pytest.approx(2.0)
-    assert row["decode_speedup"] == pytest.approx((15 / 2.0) / (15 / 4.0))
+    assert row["speedup_vs_k0"] == pytest.approx(2.0)
+    assert row["speedup_vs_plain"] == pytest.approx(4.5 / 3.0)
+    assert row["median_prompt_speedup_vs_plain"] == pytest.approx(1.5)
+    assert row["decode_speedup_vs_k0"] == pytest.approx((15 / 2.0) / (15 / 4.0))
+    assert row["decode_speedup_vs_plain"] == pytest.approx((15 / 2.0) / (15 / (4.5 - 1.2)))
+    assert row["exact_vs_k0"] == 1.0 and row["exact_vs_plain"] == 0.5
     assert row["acceptance_rate"] == pytest.approx(9 / 12)
     assert row["tokens_per_round"] == pytest.approx((9 + 6) / 6)
     assert row["mean_k"] == pytest.approx(12 / 6)
     assert row["overhead_ms_per_round"] == pytest.approx(1e3 * 0.6 / 6)
     assert row["acceptance_per_position"] == pytest.approx([6 / 6, 3 / 6])
-    # 2.5 tokens per round x a target step (4 s of decode verify over 15 steps) / a round's
-    # compute (3 s over 6 rounds).
-    assert row["predicted_speedup"] == pytest.approx(2.5 * (4.0 / 15) / 0.5)
-    assert row["exact_share"] == 1.0
+    # Six rounds of 2 drafted tokens, acceptance 1 and 0.5 by position: 2.5 tokens per round
+    # at 0.5 * 0.05 + 0.5 * 0.06 (catch-up) + 0.05 (one step) + 0.31 (verify of 3) = 0.415 s.
+    assert row["predicted_tokens_per_round"] == pytest.approx(2.5)
+    assert row["predicted_round_s"] == pytest.approx(0.415)
+    assert row["predicted_speedup"] == pytest.approx(2.5 * 0.2 / 0.415)
+    assert row["share_of_bound"] == pytest.approx((15 / 2.0) / (2.5 / 0.415))
+    assert row["engine_tokens_per_second"] == pytest.approx(17 / 1.5)
+    assert row["service_share_of_engine"] == pytest.approx(0.5)
+    plain, base = summary["plain_generate"], summary["target_only"]
+    assert plain["speedup_vs_plain"] == 1.0 and "exact_vs_plain" not in plain
+    assert plain["exact_vs_k0"] == 0.5 and "acceptance_rate" not in plain
+    assert base["speedup_vs_k0"] == 1.0 and "exact_vs_k0" not in base
+    assert base["exact_vs_plain"] == 0.5
+    # target_only is priced too: one verify of 1 row per token against the plain step.
+    assert base["predicted_speedup"] == pytest.approx(0.2 / 0.3)
+
+
+def test_summary_without_calibration_or_plain_claims_neither():
+    results = _results()
+    for result in results:
+        del result.runs["plain_generate"]
+    summary = summarize(results, greedy=False)
+    row = summary["speculative"]
+    assert row["predicted_speedup"] is None and row["share_of_bound"] is None
+    assert "speedup_vs_plain" not in row and "exact_vs_k0" not in row  # sampled: no exactness
+    lines = format_table(summary, greedy=False).splitlines()
+    assert lines[3].split()[3:5] == ["-", "2.00x"]  # vs plain, vs k=0
+    assert lines[3].split()[8] == "-"  # bound
+    assert "# vs plain: not measured (plain_generate did not run)" in legend(summary, {})
+
+
+def test_per_prompt_records_carry_both_baselines():
+    record = _results()[1].record(greedy=True, costs=COSTS)["modes"]["speculative"]
+    assert record["speedup_vs_k0"] == pytest.approx(2.0)
+    assert record["speedup_vs_plain"] == pytest.approx(1.5)
+    assert record["exact_vs_k0"] is True and record["exact_vs_plain"] is False
+    assert record["predicted_speedup"] > 0
 
 
 def test_run_splits_ttft_from_decode_time():
@@ -133,49 +244,41 @@ def test_run_splits_ttft_from_decode_time():
     assert run.decode_seconds == pytest.approx(1.5)
 
 
-def test_table_marks_what_a_mode_did_not_measure():
+def test_table_names_each_baseline_and_marks_what_a_mode_did_not_measure():
     summary = {
-        "target_only": {"tokens_per_second": 3.0, "ttft_s": 0.5, "speedup": 1.0},
+        "target_only": {"tokens_per_second": 3.0, "ttft_s": 0.5, "speedup_vs_k0": 1.0},
         "hf_assisted": {
             "tokens_per_second": 4.5,
             "ttft_s": 0.7,
-            "speedup": 1.5,
-            "exact_share": 1.0,
+            "speedup_vs_k0": 1.5,
+            "speedup_vs_plain": 1.2,
+            "exact_vs_k0": 1.0,
+            "exact_vs_plain": 0.5,
         },
     }
     lines = format_table(summary, greedy=True).splitlines()
-    assert lines[0].split() == [
-        "mode",
-        "tok/s",
-        "TTFT",
-        "ms",
-        "speedup",
-        "accept",
-        "tok/rnd",
-        "mean",
-        "k",
-        "decode",
-        "bound",
-        "share",
-        "ovh",
-        "ms",
-        "exact",
-    ]
-    assert lines[3].split() == [
-        "hf_assisted",
-        "4.50",
-        "700",
-        "1.50x",
-        "-",
-        "-",
-        "-",
-        "-",
-        "-",
-        "-",
-        "-",
-        "100%",
-    ]
+    header = (
+        "mode|tok/s|TTFT ms|vs plain|vs k=0|accept|tok/rnd|mean k|bound|share|ovh ms|=k=0|=plain"
+    )
+    assert lines[0].split() == " ".join(header.split("|")).split()
+    hf_row = "hf_assisted|4.50|700|1.20x|1.50x|-|-|-|-|-|-|100%|50%"
+    assert lines[3].split() == hf_row.split("|")
     assert len({len(line) for line in lines}) == 1  # fixed width
+    text = legend(
+        {**summary, "plain_generate": {}, "speculative": _spec_share()},
+        {"plain_generate": "bfloat16 generate", "target_only": "k = 0"},
+    )
+    assert "# vs plain: tokens/s over plain_generate (bfloat16 generate)" in text
+    assert "# vs k=0: tokens/s over target_only (k = 0)" in text
+    assert "service share of the in-process engine: 60%" in text
+
+
+def _spec_share():
+    return {
+        "tokens_per_second": 6.0,
+        "engine_tokens_per_second": 10.0,
+        "service_share_of_engine": 0.6,
+    }
 
 
 @pytest.mark.skipif(not SHARED_PROMPTS.exists(), reason="../shared/data/prompts is absent")

@@ -79,8 +79,8 @@ def test_the_shipped_configs_use_every_key_the_service_had():
 
 
 def test_defaults_and_number_types():
-    config = SpecdecConfig.from_args({**BASE, "call_timeout_s": 300})
-    assert config.service.call_timeout_s == 300.0
+    config = SpecdecConfig.from_args({**BASE, "call_timeout_s": 25})
+    assert config.service.call_timeout_s == 25.0
     assert isinstance(config.service.call_timeout_s, float)
     assert config.models.dtype == ModelConfig().dtype
     assert config.speculation == SpeculationConfig()
@@ -207,9 +207,10 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
+    from specdec.models.calibration import AUTO
     from specdec.models.loading import DTYPES, INT8
 
-    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8}
+    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO}
 
 
 def test_the_config_module_imports_neither_ray_nor_torch_nor_the_engine():
@@ -238,15 +239,16 @@ def test_the_engine_builds_its_config_once_from_keyword_arguments(engine, tiny_p
     )
     assert built.limits.max_speculative_tokens == 3
     assert built.transport.verifier.sessions.capacity_bytes == 10**6
-    assert built.transport.verifier.fixed_width is None
+    assert built.transport.verifier.exact is None  # fixed_shape_verify=False: plain forwards
     with pytest.raises(ConfigError) as err:
         SpeculativeEngine(engine.draft, engine.target, k_max=3)
     assert err.value.field == "k_max"
-    # The verifier sizes its fixed width at construction, from k_max.
+    # The verifier measures its widths at construction, 1 .. k_max + 1 and a few beyond.
     fixed = SpeculativeEngine.from_pretrained(
         *tiny_pair, SpeculationConfig(max_speculative_tokens=3), fixed_shape_verify=True
     )
-    assert fixed.transport.verifier.fixed_width == 4
+    exact = fixed.transport.verifier.exact
+    assert exact is not None and len(exact.forward_s) == 3 + 1 + 4
     assert fixed.config.models.draft_model == str(tiny_pair[0])
 
 

@@ -12,6 +12,7 @@ from specdec.decoding.controller import (
     AcceptanceEstimator,
     CostModel,
     KController,
+    RoundTiming,
     expected_tokens,
 )
 
@@ -31,12 +32,25 @@ def test_expected_tokens_per_round(a, k, expected):
     assert expected_tokens(a, k) == pytest.approx(expected)
 
 
+def _timing(k: int, step_s: float, verify_s: float, overhead_s: float = 0.001) -> RoundTiming:
+    """A steady round drafting k tokens: a one-token catch-up and each draft step take step_s,
+    so the draft's compute is k x step_s."""
+    catchup_s = step_s if k else 0.0
+    return RoundTiming(
+        verify_s=verify_s,
+        draft_s=step_s * k,
+        catchup_s=catchup_s,
+        catchup_tokens=1 if k else 0,
+        overhead_s=overhead_s,
+    )
+
+
 def _controller(acceptance, verify_s, draft_per_token, k_max=8):
     """A controller whose costs were measured at every k and whose acceptance has converged."""
     costs = CostModel(_config(k_max))
     for k in range(k_max + 1):
         for _ in range(30):
-            costs.observe(k, draft_per_token * k, verify_s(k), 0.001)
+            costs.observe(k, _timing(k, draft_per_token, verify_s(k)))
     controller = KController(costs, _config(k_max))
     for _ in range(200):
         controller.acceptance.observe(4, round(4 * acceptance) if acceptance < 1 else 4)
@@ -72,7 +86,7 @@ def test_plain_decoding_probes_speculation_again():
     controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
     for _ in range(PROBE_EVERY):
         assert controller.choose(limit=100).k == 0
-        controller.observe(0, 0, 0.0, 0.1, 0.001)
+        controller.observe(0, 0, _timing(0, 0.0, 0.1))
     assert controller.choose(limit=100).k == 1
 
 
@@ -94,7 +108,7 @@ def _dynamic(verify_s):
     """Acceptance 0.8, a draft step 50 ms, 1 ms orchestration, the given verify cost per k."""
     costs = CostModel(_config())
     for k in range(9):
-        costs.observe(k, 0.05 * k, verify_s(k), 0.001)
+        costs.observe(k, _timing(k, 0.05, verify_s(k)))
     return KController(costs, _config(dynamic=True), acceptance=_FixedRate())
 
 
@@ -121,7 +135,7 @@ def test_dynamic_length_drafts_up_to_k_max_with_the_marginal_confidence_floor(ve
 
 def test_dynamic_length_waits_for_a_measured_draft_step():
     costs = CostModel(_config())
-    costs.observe(0, 0.0, 0.3, 0.001)  # target-only rounds only: no draft cost known yet
+    costs.observe(0, _timing(0, 0.0, 0.3))  # target-only rounds only: no draft cost known yet
     controller = KController(costs, _config(dynamic=True), acceptance=_FixedRate())
     assert controller.choose(limit=100) == (controller.initial_k, 0.0)
 

@@ -18,54 +18,76 @@ def bf16_engine(tiny_pair):
     return SpeculativeEngine.from_pretrained(draft, target, dtype="bfloat16")
 
 
-def test_half_precision_turns_the_fixed_width_on(bf16_engine, engine):
-    k_max = bf16_engine.config.speculation.max_speculative_tokens
-    verifier = bf16_engine.transport.verifier
-    # The width is measured on this device: the smallest position-invariant one >= k_max + 1.
-    assert verifier.calibration.invariant
-    assert verifier.fixed_width == verifier.calibration.width >= k_max + 1
-    assert engine.transport.verifier.fixed_width is None  # float32: off unless asked
-    assert engine.transport.verifier.calibration is None
+def test_every_dtype_pads_to_measured_exact_widths(bf16_engine, engine):
+    for built in (bf16_engine, engine):
+        verifier = built.transport.verifier
+        calibration = verifier.calibration
+        assert verifier.exact is calibration.chosen.exact is not None
+        assert calibration.dtype == str(built.target.model.dtype).removeprefix("torch.")
+        assert not calibration.automatic
+        assert calibration.device.startswith("cpu: ")
+        # One forward cost per measured width, 1 .. k_max + 1 and beyond.
+        k_max = built.config.speculation.max_speculative_tokens
+        assert len(calibration.chosen.forward_s) > k_max + 1
+        assert all(s > 0 for s in calibration.chosen.forward_s)
 
 
-class _MiddleRowApart(torch.nn.Module):
-    """A linear layer whose kernel computes the middle row of an odd-width call its own way, as
-    a two-thread GEMM on some CPUs does (found on the tiny target's bfloat16 lm_head)."""
+class _RowsApart(torch.nn.Linear):
+    """A linear layer whose kernel computes some calls' rows its own way: the middle row of an
+    odd-width call (as a two-thread GEMM did with the tiny target's bfloat16 lm_head), or every
+    row of a call whose width ``apart`` picks (as a GEMM with a 1-row fast path does)."""
 
-    def __init__(self, inner: torch.nn.Linear, apart=lambda width: width % 2 == 1) -> None:
-        super().__init__()
-        self.inner, self.apart = inner, apart
-        self.weight = inner.weight
+    def __init__(self, inner: torch.nn.Linear, apart, whole: bool = False) -> None:
+        torch.nn.Module.__init__(self)  # a Linear to the calibration, without new weights
+        self.inner, self.apart, self.whole = inner, apart, whole
+        self.weight, self.bias = inner.weight, inner.bias
 
     def forward(self, x):
         out = self.inner(x)
         width = x.shape[-2]
         if self.apart(width):
             out = out.clone()
-            out[..., width // 2, :] += 1.0
+            if self.whole:
+                out += 1.0
+            else:
+                out[..., width // 2, :] += 1.0
         return out
 
 
-def _calibrate(tiny_pair, apart, min_width):
-    from specdec.models.fixed_shape import calibrate_fixed_width, use_row_wise_attention
+def _classes(tiny_pair, apart, whole=False, max_width=8):
+    from specdec.models.fixed_shape import measure_width_classes
 
-    loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
-    loaded.model.lm_head = _MiddleRowApart(loaded.model.lm_head, apart)
-    use_row_wise_attention(loaded.model)
-    return calibrate_fixed_width(loaded.model, loaded.vocab_size, min_width, time_budget_s=0.1)
-
-
-def test_calibration_skips_widths_whose_rows_depend_on_their_position(tiny_pair):
-    calibration = _calibrate(tiny_pair, lambda width: width % 2 == 1, 9)
-    assert calibration.tried == {9: False, 10: True}
-    assert calibration.width == 10 and calibration.invariant
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    loaded.model.lm_head = _RowsApart(loaded.model.lm_head, apart, whole)
+    generator = torch.Generator().manual_seed(0)
+    return measure_width_classes(loaded.model, max_width, generator=generator, elements=10_000)
 
 
-def test_calibration_without_an_invariant_width_says_so(tiny_pair):
-    calibration = _calibrate(tiny_pair, lambda width: True, 5)
-    assert not calibration.invariant
-    assert calibration.width == 5
-    assert list(calibration.tried) == list(range(5, 14)) and not any(calibration.tried.values())
+def test_widths_whose_rows_depend_on_their_position_belong_to_no_class(tiny_pair):
+    classes = _classes(tiny_pair, lambda width: width % 2 == 1 and width > 1)
+    assert sorted(w for c in classes for w in c) == [1, 2, 4, 6, 8]
+
+
+def test_widths_that_round_apart_form_separate_classes(tiny_pair):
+    # The device's own kernels may split widths too; the modified layer must add the cut at 3|4.
+    device_classes = _classes(tiny_pair, lambda width: False)
+    classes = _classes(tiny_pair, lambda width: width <= 3, whole=True)
+    assert sorted(w for c in classes for w in c) == list(range(1, 9))
+    assert all(max(c) <= 3 or min(c) >= 4 for c in classes)
+    assert all(any(set(c) <= set(d) for d in device_classes) for c in classes)
+
+
+def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
+    from specdec.models.calibration import ExactWidths
+
+    costs = (1.0, 2.0, 3.0, 4.0, 3.5, 5.0)  # a 5-row forward is cheaper than a 4-row one
+    exact = ExactWidths((2, 4, 5), costs)
+    assert exact.width_for(1) == 2
+    assert exact.width_for(3) == 5  # 4 fits too, but costs more
+    assert exact.chunks(12) == [(5, 5), (5, 5), (2, 2)]
+    assert exact.rows_seconds(12) == 3.5 + 3.5 + 2.0
+    with pytest.raises(ValueError):
+        ExactWidths((2,), costs).width_for(3)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
@@ -125,3 +147,41 @@ def test_int8_on_a_gpu_is_refused(tiny_pair):
 
     with pytest.raises(ModelLoadError, match="int8 runs on the CPU only"):
         load_model(tiny_pair[0], dtype="int8", device="cuda")
+
+
+def _stream(built, prompt, k, evict_sides):
+    """Token ids and logprobs of one greedy request, evicting the sessions of ``evict_sides``
+    after every round (as an LRU eviction, a replica restart or a rerouted call would)."""
+    import asyncio
+
+    async def run():
+        tokens, logprobs = [], []
+        async for delta in built.generate_stream(prompt, GREEDY, k):
+            tokens += delta.token_ids
+            logprobs += delta.logprobs
+            for side in evict_sides:
+                for session in list(side.sessions._entries):
+                    side.sessions.evict(session)
+        return tokens, logprobs
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(tiny_pair, dtype):
+    # The rebuild replays the prompt's prefill as one forward and the rest in exact widths, so
+    # the rebuilt cache is bitwise the lost one: token ids and logprobs equal the undisturbed
+    # run's, in half precision too (where a plain forward over the prefix changed them).
+    draft, target = tiny_pair
+    built = SpeculativeEngine.from_pretrained(draft, target, dtype=dtype)
+    verifier = built.transport.verifier
+    rebuilds = verifier.sessions.rebuilds
+    sides = (built.transport.proposer, verifier)
+    for prompt in PROMPTS:
+        expected = _stream(built, prompt, 0, ())
+        for k in (3, "auto"):
+            assert _stream(built, prompt, k, ()) == expected, (prompt, k)
+            assert _stream(built, prompt, k, sides) == expected, (prompt, k, "both evicted")
+            assert _stream(built, prompt, k, sides[1:]) == expected, (prompt, k, "target evicted")
+        assert _stream(built, prompt, 0, sides[1:]) == expected, (prompt, "k=0 rebuilt")
+    assert verifier.sessions.rebuilds > rebuilds + len(PROMPTS)

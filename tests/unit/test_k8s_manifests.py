@@ -303,7 +303,9 @@ def test_model_init_containers_convert_in_the_serving_dtype(rendered):
         command = init["command"]
         assert command[:5] == ["python", "-m", "specdec.tools.k8s", "models", "/models"]
         if "bundled" in command:
-            assert command[command.index("--dtype") + 1] == args["dtype"], group["groupName"]
+            # dtype auto loads the stored bfloat16 checkpoint and casts it per candidate.
+            stored = "bfloat16" if args["dtype"] == "auto" else args["dtype"]
+            assert command[command.index("--dtype") + 1] == stored, group["groupName"]
 
 
 def test_gpu_groups_sit_on_their_own_gpu_node_pools(rendered):

@@ -7,6 +7,11 @@ samples are compared, by a chi-square goodness-of-fit test, with the exact margi
 target-only sampling, computed by enumerating every prefix with the target model (vocabulary of
 32). The draft is far from the target (total variation about 0.5), so rejections are frequent and
 a wrong residual shows. Seeds are fixed, so the test is deterministic.
+
+The same tests run with the draft truncating q to its top TOP_N tokens (below the vocabulary):
+the verifier then sees a sparse q with most tokens at probability 0, and exactness must hold
+for that q too; a broken variant that reports the untruncated q for draws made from the
+truncated one must fail.
 """
 
 from __future__ import annotations
@@ -21,21 +26,32 @@ from scipy import stats
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.decoding import rejection
 from specdec.decoding.sampling import processed_probs
+from specdec.models import proposer
 from specdec.pairs.tiny import save_pair
 
 N = 2000
 PROMPT = "w1 w2 w3"
 VOCAB = 32
 END = VOCAB  # extra category: the completion ended (EOS) before this position
+TOP_N = 4  # the truncating draft's q: 4 of the 32 tokens
 
 
 @pytest.fixture(scope="module")
-def far_engine(tmp_path_factory):
-    draft, target = save_pair(
-        tmp_path_factory.mktemp("far"), noise=0.8, word_level=True, vocab_size=VOCAB
-    )
+def far_pair(tmp_path_factory):
     torch.set_num_threads(1)  # tiny models: threads only add overhead
-    return SpeculativeEngine.from_pretrained(draft, target)
+    return save_pair(tmp_path_factory.mktemp("far"), noise=0.8, word_level=True, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def far_engine(far_pair):
+    return SpeculativeEngine.from_pretrained(*far_pair)
+
+
+@pytest.fixture(scope="module")
+def truncating_engine(far_pair):
+    """The far pair, with the draft sampling from (and sending) its top TOP_N tokens only."""
+    assert TOP_N < VOCAB
+    return SpeculativeEngine.from_pretrained(*far_pair, draft_top_n=TOP_N)
 
 
 def _sampled(engine, k, params, seeds, with_drafted=False):
@@ -101,10 +117,16 @@ def _fit_pvalue(observed, probs):
     ],
     ids=["temperature", "top_k", "top_p"],
 )
-def test_speculative_sampling_matches_target_only_sampling(far_engine, params, ks):
-    exact = _exact(far_engine, params)
+@pytest.mark.parametrize(
+    "engine_name", ["far_engine", "truncating_engine"], ids=["whole-q", "truncated-q"]
+)
+def test_speculative_sampling_matches_target_only_sampling(request, engine_name, params, ks):
+    """With q the draft's whole distribution, and with q truncated to the draft's top 4 tokens
+    of a 32-token vocabulary (draft_top_n below the vocabulary)."""
+    built = request.getfixturevalue(engine_name)
+    exact = _exact(built, params)
     for k in ks:
-        sampled = _sampled(far_engine, k, params, range(N))
+        sampled = _sampled(built, k, params, range(N))
         for position in range(2):
             pvalue = _fit_pvalue(sampled[position], exact[position])
             assert pvalue > 1e-3, (k, position, pvalue)
@@ -134,3 +156,22 @@ def test_the_test_catches_a_wrong_residual(far_engine, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
     broken = _sampled(far_engine, 1, params, range(N))
     assert _fit_pvalue(broken[0], exact[0]) < 1e-6
+
+
+def _untruncated_q(probs, top_n):
+    """The broken draft: draws from its top-N tokens (multinomial normalises the weights) but
+    reports their untruncated probabilities, as if q were the whole distribution."""
+    width = probs.shape[-1] if top_n <= 0 else min(top_n, probs.shape[-1])
+    values, ids = torch.topk(probs, width, dim=-1)
+    return ids, values
+
+
+@pytest.mark.slow
+def test_the_truncated_test_catches_an_untruncated_q(truncating_engine, monkeypatch):
+    """The same test, with the verifier seeing the untruncated q of the tokens the draft drew
+    from its truncated one, must fail: the truncated tests have power."""
+    params = {"temperature": 1.0}
+    exact = _exact(truncating_engine, params)
+    monkeypatch.setattr(proposer, "truncate_top_n", _untruncated_q)
+    broken = _sampled(truncating_engine, 2, params, range(N))
+    assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6

@@ -1,0 +1,419 @@
+"""Start-up measurements on a replica's own device: forward cost by width, exact widths, dtype.
+
+Costs differ by an order of magnitude between machines of the same size (DESIGN.md, "Speed"):
+on an AMX CPU a 13-row bfloat16 forward of the target costs about one row's; on an AVX2-only
+CPU, where bfloat16 is emulated, ten rows' worth, while float32 costs four. A CPU GEMM's cost
+is not even monotonic in the rows (one 2-core AVX-512 machine: a float32 MLP projection took
+5.3 ms for 13 rows and 3.6 ms for 16). So nothing here is assumed: a replica measures, for
+each candidate dtype,
+
+- ``forward_s[w - 1]``: the seconds of one forward over w positions extending a cache of
+  CACHE_TOKENS positions, w = 1 .. max_width, and the prefill cost per prompt token;
+- for the target, which widths give bitwise the same row results as each other
+  (specdec.models.fixed_shape.measure_width_classes), the class whose forwards cover 1 ..
+  k_max + 1 rows cheapest, and a whole-model check of it;
+
+and ``dtype: auto`` keeps the candidate whose predicted request time is lowest
+(predicted_request_seconds), among those with an exact class for the target. The verifier pads
+each decode forward to the cheapest exact width that fits (ExactWidths.width_for), the
+controller prices rounds from ``forward_s``, and GetModelInfo reports all of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from specdec.decoding.controller import CostPrior, expected_tokens
+from specdec.models.device import describe_device
+from specdec.models.fixed_shape import (
+    measure_width_classes,
+    use_row_wise_attention,
+    whole_forward_exact,
+)
+from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+CACHE_TOKENS = 64  # cache length the cost forwards extend (attention is a small share here)
+PREFILL_TOKENS = 32  # prompt length of the measured prefill
+TYPICAL_PROMPT_TOKENS = 128  # the request predicted_request_seconds prices
+TYPICAL_NEW_TOKENS = 128
+TYPICAL_ACCEPTANCE = 0.7  # per-token acceptance the dtype choice assumes for the target
+DRAFT_WIDTHS = 3  # a draft forward is one row (a draft step) or two or three (catch-up)
+EXTRA_WIDTHS = 4  # widths measured past k_max + 1: a wider forward may cost less
+SLOWER_CUTOFF = 1.5  # a candidate this much slower at 1 and at max_width rows is not finished
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactWidths:
+    """Widths whose forwards give every row bitwise the same result, and their costs.
+
+    Attributes:
+        widths: ascending; a decode forward of n rows is padded to width_for(n), or split into
+            forwards of these widths when n exceeds the largest.
+        forward_s: forward_s[w - 1] = measured seconds of a w-position forward.
+    """
+
+    widths: tuple[int, ...]
+    forward_s: tuple[float, ...]
+
+    def width_for(self, rows: int) -> int:
+        """The cheapest exact width >= rows (rows <= max(widths))."""
+        fits = [w for w in self.widths if w >= rows]
+        if not fits:
+            raise ValueError(f"{rows} rows exceed the widest exact width {self.widths[-1]}")
+        return min(fits, key=lambda w: (self.cost(w), w))
+
+    def chunks(self, rows: int) -> list[tuple[int, int]]:
+        """[(real rows, padded width)] covering ``rows`` rows: full forwards of the widest width,
+        then the cheapest width for the rest."""
+        widest, out = self.widths[-1], []
+        while rows > widest:
+            out.append((widest, widest))
+            rows -= widest
+        out.append((rows, self.width_for(rows)))
+        return out
+
+    def cost(self, width: int) -> float:
+        if width <= len(self.forward_s):
+            return self.forward_s[width - 1]
+        return self.forward_s[-1] * width / len(self.forward_s)
+
+    def rows_seconds(self, rows: int) -> float:
+        """Predicted seconds to run ``rows`` rows through chunks()."""
+        return sum(self.cost(width) for _, width in self.chunks(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeMeasurement:
+    """One candidate dtype, as measured.
+
+    Attributes:
+        forward_s: seconds of one forward over w positions, index w - 1 (measured, or, for a
+            candidate stopped early as clearly slower, interpolated between measured widths).
+        prefill_s_per_token: seconds per prompt token of a PREFILL_TOKENS-token prefill.
+        exact: the target's exact widths (None: none found, or a draft).
+        predicted_s: predicted_request_seconds of this candidate.
+    """
+
+    dtype: str
+    forward_s: tuple[float, ...]
+    prefill_s_per_token: float
+    exact: ExactWidths | None
+    predicted_s: float
+    cache_tokens: int = CACHE_TOKENS
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a replica measured at start-up and what it chose."""
+
+    device: str
+    dtype: str
+    automatic: bool
+    candidates: tuple[DtypeMeasurement, ...]
+    seconds: float
+
+    @property
+    def chosen(self) -> DtypeMeasurement:
+        return next(c for c in self.candidates if c.dtype == self.dtype)
+
+    def to_proto(self, message) -> None:
+        """Fills a specdec.v1.DeviceCalibration message."""
+        message.device, message.dtype, message.automatic = self.device, self.dtype, self.automatic
+        message.seconds = self.seconds
+        exact = self.chosen.exact
+        message.exact_widths.extend(exact.widths if exact else ())
+        for candidate in self.candidates:
+            message.candidates.add(
+                dtype=candidate.dtype,
+                forward_s=candidate.forward_s,
+                cache_tokens=candidate.cache_tokens,
+                exact=candidate.exact is not None,
+            )
+
+
+def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
+    """The dtypes ``auto`` tries: float32 and bfloat16 (a CPU), bfloat16 and float16 (a GPU);
+    a CPU draft also int8 (its output never depends on the draft's numerics)."""
+    if torch.device(device).type == "cpu":
+        return ["float32", "bfloat16"] + ([INT8] if role == "draft" else [])
+    return ["bfloat16", "float16"]
+
+
+def load_calibrated(
+    spec: str,
+    role: str,
+    dtype: str,
+    *,
+    device: str = "cpu",
+    max_speculative_tokens: int,
+) -> tuple[LoadedModel, Calibration]:
+    """Loads a model (specdec.models.loading.load_model) and calibrates it: in ``dtype``, or,
+    for ``dtype="auto"``, in the fastest of candidate_dtypes(role, device) (loaded in float32,
+    each candidate a cast of it).
+
+    Raises:
+        ModelLoadError: as load_model.
+    """
+    automatic = dtype == AUTO
+    dtypes = candidate_dtypes(role, device) if automatic else [dtype]
+    loaded = load_model(spec, dtype="float32" if automatic else dtype, device=device)
+    return calibrate(
+        loaded,
+        role,
+        dtypes,
+        max_speculative_tokens=max_speculative_tokens,
+        automatic=automatic,
+    )
+
+
+def calibrate(
+    loaded: LoadedModel,
+    role: str,
+    dtypes: Sequence[str],
+    *,
+    max_speculative_tokens: int,
+    automatic: bool,
+) -> tuple[LoadedModel, Calibration]:
+    """Measures ``loaded`` in each dtype and returns it in the fastest exact one.
+
+    Args:
+        loaded: the model, loaded in float32 when several dtypes are tried (each candidate is a
+            cast of it: exact for weights stored in bfloat16 or float16), else in dtypes[0].
+        role: "draft" or "target"; only a target's exact widths are measured, and only a target
+            gets row_wise_attention (which its fixed-width forwards need).
+        dtypes: candidates, e.g. candidate_dtypes(role, device), or the one configured.
+        max_speculative_tokens: k_max; target widths 1 .. k_max + 1 + EXTRA_WIDTHS are measured.
+        automatic: whether the dtype was chosen (dtype: auto) rather than configured.
+    Returns:
+        (the model in the chosen dtype, Calibration). The log says what was measured.
+    Raises:
+        ValueError: no dtypes.
+    """
+    if not dtypes:
+        raise ValueError("calibrate needs at least one dtype")
+    start = time.perf_counter()
+    target = role == "target"
+    max_width = max_speculative_tokens + 1 + EXTRA_WIDTHS if target else DRAFT_WIDTHS
+    results: list[tuple[DtypeMeasurement, torch.nn.Module]] = []
+    for dtype in dtypes:
+        model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, dtype)
+        if target:
+            use_row_wise_attention(model)
+        usable = [r for r, _ in results if r.exact is not None or not target]
+        best = min(usable, key=lambda r: r.predicted_s, default=None)
+        measured = _measure(model, loaded.vocab_size, dtype, target, max_width, best)
+        measured = dataclasses.replace(
+            measured,
+            predicted_s=predicted_request_seconds(measured, max_speculative_tokens, target),
+        )
+        log.info(
+            "%s %s: forward by width %s s, prefill %.4f s/token, exact widths %s, "
+            "predicted %.1f s per request",
+            role,
+            dtype,
+            [round(s, 4) for s in measured.forward_s],
+            measured.prefill_s_per_token,
+            measured.exact.widths if measured.exact else None,
+            measured.predicted_s,
+        )
+        results.append((measured, model))
+    usable = [r for r in results if r[0].exact is not None or not target] or results
+    chosen, model = min(usable, key=lambda r: r[0].predicted_s)
+    calibration = Calibration(
+        device=describe_device(loaded.device),
+        dtype=chosen.dtype,
+        automatic=automatic,
+        candidates=tuple(r for r, _ in results),
+        seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "%s runs in %s on %s (%s; measured in %.1f s)",
+        role,
+        chosen.dtype,
+        calibration.device,
+        "chosen by measurement" if automatic else "configured",
+        calibration.seconds,
+    )
+    return dataclasses.replace(loaded, model=model), calibration
+
+
+def predicted_request_seconds(
+    measured: DtypeMeasurement, max_speculative_tokens: int, target: bool
+) -> float:
+    """Seconds a typical request would take in this dtype: a TYPICAL_PROMPT_TOKENS prefill and
+    TYPICAL_NEW_TOKENS tokens, decoded (target) at the best fixed k for an acceptance rate of
+    TYPICAL_ACCEPTANCE, each round's verify covered by exact widths, draft time excluded (it is
+    the same whatever the target's dtype); a draft decodes one row per token.
+
+    This is the dtype choice's yardstick, not a forecast: the controller prices the real rounds.
+    """
+    prefill = measured.prefill_s_per_token * TYPICAL_PROMPT_TOKENS
+    if not target:
+        return prefill + measured.forward_s[0] * TYPICAL_NEW_TOKENS
+    exact = measured.exact or ExactWidths(
+        tuple(range(1, len(measured.forward_s) + 1)), measured.forward_s
+    )
+    per_token = min(
+        exact.rows_seconds(k + 1) / expected_tokens(TYPICAL_ACCEPTANCE, k)
+        for k in range(max_speculative_tokens + 1)
+    )
+    return prefill + per_token * TYPICAL_NEW_TOKENS
+
+
+def _cast(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A copy of a float32 model in ``dtype`` (int8: dynamically quantized)."""
+    if dtype == "float32":
+        return model
+    copied = copy.deepcopy(model)
+    if dtype == INT8:
+        quantize_int8(copied)
+        return copied
+    return copied.to(_DTYPES[dtype])
+
+
+@torch.inference_mode()
+def _measure(
+    model: torch.nn.Module,
+    vocab_size: int,
+    dtype: str,
+    target: bool,
+    max_width: int,
+    best: DtypeMeasurement | None,
+) -> DtypeMeasurement:
+    generator = torch.Generator().manual_seed(0)
+    device = model.device
+    prompt = torch.randint(vocab_size, (1, CACHE_TOKENS), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt[:, :1], cache=cache, use_cache=True, logits_to_keep=1)  # warm-up
+    cache = DynamicCache(config=model.config)
+    prefill_s = _timed(
+        device,
+        lambda: model(
+            input_ids=prompt[:, :PREFILL_TOKENS], cache=cache, use_cache=True, logits_to_keep=1
+        ),
+    )
+    model(input_ids=prompt[:, PREFILL_TOKENS:], cache=cache, use_cache=True, logits_to_keep=1)
+    costs = _forward_costs(model, cache, vocab_size, max_width, generator, best)
+    measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
+    # Exact widths only cost more than all widths, so a candidate already slower with every
+    # width allowed cannot win: skip its (long) exactness measurement.
+    if target and (best is None or _optimistic_s(measured, max_width) < best.predicted_s):
+        half = dtype in ("bfloat16", "float16")
+        exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
+        measured = dataclasses.replace(measured, exact=exact)
+    return measured
+
+
+def _optimistic_s(measured: DtypeMeasurement, max_width: int) -> float:
+    return predicted_request_seconds(measured, max_width - 1 - EXTRA_WIDTHS, target=True)
+
+
+def _forward_costs(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    vocab_size: int,
+    max_width: int,
+    generator: torch.Generator,
+    best: DtypeMeasurement | None,
+) -> list[float]:
+    """Seconds per forward of 1 .. max_width positions over ``cache``. Widths 1 and max_width
+    come first; when both cost SLOWER_CUTOFF times the best candidate's, the rest are
+    interpolated (that candidate cannot win, and on an emulating CPU each costs seconds)."""
+    device = model.device
+
+    def cost(width: int) -> float:
+        ids = torch.randint(vocab_size, (1, width), generator=generator).to(device)
+        seconds = _timed(
+            device, lambda: model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        )
+        cache.crop(-width)
+        return seconds
+
+    measured = {1: cost(1), max_width: cost(max_width)}
+    slower = best is not None and all(
+        measured[w] > SLOWER_CUTOFF * best.forward_s[w - 1] for w in (1, max_width)
+    )
+    for width in range(2, max_width):
+        if slower:
+            share = (width - 1) / (max_width - 1)
+            measured[width] = measured[1] + share * (measured[max_width] - measured[1])
+        else:
+            measured[width] = cost(width)
+    return [measured[w] for w in range(1, max_width + 1)]
+
+
+def _exact_widths(
+    model: torch.nn.Module,
+    vocab_size: int,
+    costs: list[float],
+    max_width: int,
+    generator: torch.Generator,
+    half: bool,
+) -> ExactWidths | None:
+    """The width class covering 1 .. max_width - EXTRA_WIDTHS rows cheapest that also passes
+    the whole-model check (a class of the linear layers' measurement, or one width of such a
+    class alone, since other operators may still tell widths apart); None when none does."""
+    classes = measure_width_classes(model, max_width, generator=generator)
+    singles = [(w,) for c in classes for w in c if len(c) > 1 or half]
+    if half:
+        # One width only: bfloat16's coarse logits turn rare cross-width rounding differences
+        # (seen on the tiny target between its 1- and 2-row calls, missed by the random-row
+        # measurement) into different logprobs; position invariance at one width held.
+        classes = []
+    rows = max_width - EXTRA_WIDTHS
+    options = sorted(
+        (ExactWidths(tuple(widths), tuple(costs)) for widths in [*classes, *singles]),
+        key=lambda e: sum(e.rows_seconds(n) for n in range(1, rows + 1)),
+    )
+    for option in options:
+        if whole_forward_exact(model, vocab_size, option.widths, generator):
+            return option
+        log.info("width class %s failed the whole-model check", option.widths)
+    log.warning("no exact width class among %s: greedy output may depend on k", classes)
+    return None
+
+
+def _timed(device: torch.device, fn) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def cost_prior(target, draft, max_speculative_tokens: int) -> CostPrior | None:
+    """The controller's starting costs from two specdec.v1.DeviceCalibration messages: verify
+    of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
+    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward.
+    None when either side reported no costs."""
+    target_costs = _chosen_costs(target)
+    draft_costs = _chosen_costs(draft)
+    if not target_costs or not draft_costs:
+        return None
+    exact = ExactWidths(
+        tuple(target.exact_widths) or tuple(range(1, len(target_costs) + 1)), target_costs
+    )
+    verify_s = [exact.rows_seconds(k + 1) for k in range(max_speculative_tokens + 1)]
+    catchup_s = draft_costs[1] if len(draft_costs) > 1 else None
+    return CostPrior(verify_s=verify_s, draft_step_s=draft_costs[0], catchup_s=catchup_s)
+
+
+def _chosen_costs(message) -> tuple[float, ...]:
+    for candidate in message.candidates:
+        if candidate.dtype == message.dtype:
+            return tuple(candidate.forward_s)
+    return ()

@@ -1,0 +1,393 @@
+"""The bench's in-process modes, on the service's own model files and token ids.
+
+- ``engine``: specdec.engine.SpeculativeEngine in this process, the service's dtypes and k.
+- ``plain_generate``: the target alone with transformers' ``generate`` (greedy, or sampling
+  with the same temperature), in the dtype measured fastest here (choose_dtype).
+- ``hf_assisted``: ``generate(assistant_model=...)``, the target in plain_generate's dtype, the
+  draft in the service's draft dtype (an int8 draft is the same dynamically quantized int8
+  draft), with the assistant settings measured fastest on the first prompt (HF_SETTINGS).
+
+Each loads after the service runs are done and frees its models before the next one loads
+(close), so memory holds one mode's models at a time; a mode whose models do not fit in the
+memory available is skipped with a printed reason (fits_in_memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from specdec.tools.bench_figures import ENGINE, HF_ASSISTED, PLAIN, Run
+from specdec.tools.datasets import BenchPrompt
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4}  # int8 loads as float32
+MEMORY_MARGIN = 1.3  # activations, KV caches, allocator slack over the weights
+DTYPE_PICK_TOKENS = 8  # new tokens of the timed generate that picks plain_generate's dtype
+# Assisted-generation settings tried on the first prompt (set on the assistant's
+# generation_config, where transformers reads them). "defaults" is transformers 5's: a constant
+# 20-token block cut by a 0.4 confidence stop; "heuristic" the schedule transformers used by
+# default before (start at 5, +2 after a full acceptance, -1 otherwise); "constant k_max" a fixed
+# block of the service's k_max with no confidence stop (what the service does at fixed k).
+HF_SETTINGS: dict[str, dict[str, Any]] = {
+    "defaults": {
+        "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4,
+    },
+    "heuristic": {
+        "num_assistant_tokens": 5,
+        "num_assistant_tokens_schedule": "heuristic",
+        "assistant_confidence_threshold": 0.4,
+    },
+    "constant k_max": {
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    },
+}
+HF_TUNE_TOKENS = 32  # new tokens of each timed assisted run
+
+
+def say(text: str) -> None:
+    print(f"# {text}", file=sys.stderr, flush=True)
+
+
+def candidate_dtypes(device: str) -> list[str]:
+    """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU."""
+    return ["bfloat16", "float16"] if device.startswith("cuda") else ["float32", "bfloat16"]
+
+
+def choose_dtype(
+    candidates: Sequence[str], measure: Callable[[str], float | None]
+) -> tuple[str, dict[str, float | None]]:
+    """Times each candidate with ``measure`` (seconds; None: it could not run) and returns the
+    fastest with every timing. Ties go to the earlier candidate.
+
+    Raises:
+        RuntimeError: no candidate could run.
+    """
+    timings = {dtype: measure(dtype) for dtype in candidates}
+    usable = [d for d in candidates if timings[d] is not None]
+    if not usable:
+        raise RuntimeError(f"no dtype of {list(candidates)} could run: {timings}")
+    return min(usable, key=lambda d: timings[d]), timings
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def memory_available(device: str) -> int | None:
+    """Bytes free for new models: MemAvailable from /proc/meminfo on a CPU, the free device
+    memory on a GPU; None when unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def model_bytes(spec: str, dtype: str) -> int | None:
+    """Bytes the weights of the model at ``spec`` take once loaded in ``dtype``: its weight
+    files' size scaled from their stored dtype (config.json) to ``dtype``; None when unknown
+    (a GGUF file, a cached id)."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        return None
+    files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin")]
+    if not files:
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    stored = DTYPE_BYTES.get(config.get("torch_dtype") or config.get("dtype"), 4)
+    return sum(p.stat().st_size for p in files) * DTYPE_BYTES.get(dtype, 4) // stored
+
+
+def fits_in_memory(mode: str, models: Sequence[tuple[str, str]], device: str) -> bool:
+    """Whether ``models`` ([(path, dtype)]) fit in the memory available with MEMORY_MARGIN;
+    prints why not (or that it cannot tell, and goes ahead)."""
+    sizes = [model_bytes(spec, dtype) for spec, dtype in models]
+    free = memory_available(device)
+    if free is None or any(s is None for s in sizes):
+        say(f"{mode}: cannot estimate its memory here; loading anyway")
+        return True
+    need = int(sum(sizes) * MEMORY_MARGIN)
+    if need > free:
+        say(
+            f"{mode} skipped: its models need about {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB available ({device})"
+        )
+        return False
+    return True
+
+
+def free_memory(device: str) -> None:
+    """Collects freed models now (the caller dropped its references)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# --- generate -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """generate() warns about arguments every call; the bench's own output is the point."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class FirstTokenClock:
+    """A generate() streamer that only notes when the first new token arrives (TTFT)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self._puts = 0
+
+    def put(self, value) -> None:
+        self._puts += 1  # the first put is the prompt
+        if self._puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def prompt_ids(tokenizer, prompt: BenchPrompt) -> list[int]:
+    """The prompt's token ids exactly as the router encodes them."""
+    from specdec.decoding.request import encode_prompt
+
+    fields = prompt.request_fields()
+    return encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"))
+
+
+def generate(
+    target, ids: list[int], max_new_tokens: int, sampling: dict[str, Any], mode: str, **extra
+) -> Run:
+    """One ``target.model.generate`` call (a specdec LoadedModel) on ``ids``: greedy at
+    temperature 0, else sampling at the request's temperature / top-p / top-k, seeded; no
+    repetition penalty or other default of the model's generation config; stops at the target's
+    EOS ids as the service does. ``extra`` goes to generate (e.g. ``assistant_model``)."""
+    import torch
+
+    temperature = sampling.get("temperature") or 0.0
+    kwargs: dict[str, Any] = {"do_sample": temperature > 0, "repetition_penalty": 1.0}
+    if temperature > 0:
+        kwargs.update(
+            temperature=temperature,
+            top_p=sampling.get("top_p") or 1.0,
+            top_k=sampling.get("top_k") or 0,
+        )
+        torch.manual_seed(sampling.get("seed") or 0)
+    device = target.model.device
+    clock = FirstTokenClock()
+    with torch.inference_mode(), _quiet_transformers():
+        out = target.model.generate(
+            torch.tensor([ids], device=device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(target.eos_token_ids),
+            pad_token_id=target.tokenizer.pad_token_id,
+            streamer=clock,
+            **kwargs,
+            **extra,
+        )
+        token_ids = [int(t) for t in out[0, len(ids) :]]  # EOS kept, as the service keeps it
+    seconds = time.perf_counter() - clock.start
+    text = target.tokenizer.decode(token_ids, skip_special_tokens=True)
+    ttft = (clock.first or time.perf_counter()) - clock.start
+    return Run(mode, token_ids, text, len(token_ids) / seconds, ttft)
+
+
+# --- the modes ----------------------------------------------------------------------------------
+
+
+class PlainGenerate:
+    """The target alone with transformers' generate, in the dtype measured fastest here.
+
+    Args:
+        target_model: the service's target model files.
+        device: "cpu" or "cuda[:N]".
+        first_prompt: the prompt the dtype pick times (DTYPE_PICK_TOKENS new tokens after a
+            2-token warm-up generate, per candidate_dtypes).
+    Attributes:
+        dtype: the chosen dtype; timings: seconds of each candidate's timed generate.
+    """
+
+    def __init__(self, target_model: str, device: str, first_prompt: BenchPrompt) -> None:
+        from specdec.models.loading import load_model
+
+        loaded: dict[str, Any] = {}
+
+        def measure(dtype: str) -> float | None:
+            loaded.clear()  # one candidate in memory at a time
+            free_memory(device)
+            try:
+                model = load_model(target_model, dtype=dtype, device=device)
+            except Exception as err:  # noqa: BLE001 - a dtype the device lacks is skipped
+                say(f"plain_generate: {dtype} cannot load here ({err})")
+                return None
+            loaded[dtype] = model
+            ids = prompt_ids(model.tokenizer, first_prompt)
+            greedy = {"temperature": 0.0}
+            generate(model, ids, 2, greedy, PLAIN)  # warm-up: first-call kernel set-up
+            start = time.perf_counter()
+            generate(model, ids, DTYPE_PICK_TOKENS, greedy, PLAIN)
+            return time.perf_counter() - start
+
+        self.dtype, self.timings = choose_dtype(candidate_dtypes(device), measure)
+        self.target = loaded.pop(self.dtype, None)
+        loaded.clear()
+        if self.target is None:  # the fastest was not the last one measured
+            free_memory(device)
+            self.target = load_model(target_model, dtype=self.dtype, device=device)
+        timings = ", ".join(
+            f"{d} {'-' if s is None else f'{s:.2f} s'}" for d, s in self.timings.items()
+        )
+        say(
+            f"plain_generate: {DTYPE_PICK_TOKENS} greedy tokens of the first prompt took "
+            f"{timings}; using {self.dtype}"
+        )
+
+    def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
+        ids = prompt_ids(self.target.tokenizer, prompt)
+        return generate(self.target, ids, max_new_tokens, sampling, PLAIN)
+
+    def close(self) -> None:
+        self.target = None
+
+
+class HFAssisted:
+    """Hugging Face assisted generation (``generate(assistant_model=...)``) in this process.
+
+    Args:
+        target: the target, loaded (plain_generate's, in its fastest dtype), or None to load
+            ``target_model`` in ``target_dtype``.
+        draft_model, draft_dtype: the service's draft files and dtype (an int8 draft is quantized
+            exactly as the draft replica's).
+        k_max: the service's k_max (the "constant k_max" setting's block).
+        device: "cpu" or "cuda[:N]".
+    Attributes:
+        setting: the HF_SETTINGS name in use; settings_timings: seconds per setting when tuned.
+    """
+
+    def __init__(
+        self,
+        target,
+        draft_model: str,
+        draft_dtype: str,
+        *,
+        k_max: int,
+        device: str,
+        target_model: str | None = None,
+        target_dtype: str | None = None,
+    ) -> None:
+        from specdec.models.loading import check_same_tokenizer, load_model
+
+        self.target = target or load_model(target_model, dtype=target_dtype, device=device)
+        self.draft = load_model(draft_model, dtype=draft_dtype, device=device)
+        check_same_tokenizer(self.draft.tokenizer, self.target.tokenizer)
+        self.k_max = k_max
+        self.setting = "defaults"
+        self.settings_timings: dict[str, float] = {}
+
+    def settings(self, name: str) -> dict[str, Any]:
+        values = dict(HF_SETTINGS[name])
+        values.setdefault("num_assistant_tokens", self.k_max)
+        return values
+
+    def tune(self, prompt: BenchPrompt, max_new_tokens: int) -> None:
+        """Keeps the HF_SETTINGS entry fastest on one greedy run of ``prompt`` (after a
+        warm-up under the first setting)."""
+        tokens = min(max_new_tokens, HF_TUNE_TOKENS)
+        greedy = {"temperature": 0.0}
+        self.run(prompt, tokens, greedy)
+        for name in HF_SETTINGS:
+            self.setting = name
+            self.settings_timings[name] = self.run(prompt, tokens, greedy).seconds
+        self.setting = min(self.settings_timings, key=self.settings_timings.get)
+        timings = ", ".join(f"{n} {s:.2f} s" for n, s in self.settings_timings.items())
+        say(f"hf_assisted: {tokens} greedy tokens of the first prompt took {timings}")
+
+    def describe(self) -> str:
+        values = ", ".join(f"{k}={v}" for k, v in self.settings(self.setting).items())
+        return f"{self.setting} ({values})"
+
+    def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
+        # Set before every call: the heuristic schedule writes its block size back into the
+        # assistant's generation_config.
+        for key, value in self.settings(self.setting).items():
+            setattr(self.draft.model.generation_config, key, value)
+        ids = prompt_ids(self.target.tokenizer, prompt)
+        return generate(
+            self.target,
+            ids,
+            max_new_tokens,
+            sampling,
+            HF_ASSISTED,
+            assistant_model=self.draft.model,
+        )
+
+    def close(self) -> None:
+        self.target = self.draft = None
+
+
+class EngineMode:
+    """specdec.engine.SpeculativeEngine in this process: the service's models, dtypes, k_max and
+    k, the engine's default settings otherwise."""
+
+    def __init__(self, info, device: str, k: int | None) -> None:
+        from specdec.engine import SpeculativeEngine
+        from specdec.models.loading import load_model_pair
+
+        draft, target = load_model_pair(
+            info.draft_model,
+            info.target_model,
+            dtype=info.target_dtype,
+            draft_dtype=info.draft_dtype,
+            device=device,
+        )
+        self.engine = SpeculativeEngine(
+            draft, target, max_speculative_tokens=info.max_speculative_tokens
+        )
+        self.k = "auto" if k is None else k
+
+    def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
+        from specdec.decoding.sampling import SamplingParams
+
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.get("temperature") or 0.0,
+            seed=sampling.get("seed"),
+        )
+        fields = prompt.request_fields()
+        out = self.engine.generate(
+            fields.get("prompt"), params, self.k, messages=fields.get("messages")
+        )
+        stats = out.stats
+        return Run(ENGINE, out.token_ids, out.text, stats.tokens_per_second, stats.ttft_s, stats)
+
+    def close(self) -> None:
+        self.engine = None

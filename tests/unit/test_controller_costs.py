@@ -1,0 +1,294 @@
+"""The shared cost model: catch-up apart from draft steps, rebuilds and outliers kept out,
+calibration priors, and the k it leads to (specdec.decoding.controller)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.config import SpeculationConfig
+from specdec.decoding.controller import (
+    CATCHUP_STEADY_TOKENS,
+    PROBE_EVERY,
+    WINDOW,
+    CostModel,
+    CostPrior,
+    KController,
+    RoundTiming,
+)
+
+STEP_S = 0.02  # a draft step
+CATCHUP_S = 0.03  # a steady catch-up over 1-2 tokens
+OVERHEAD_S = 0.001
+
+
+def _config(k_max: int = 8, dynamic: bool = False) -> SpeculationConfig:
+    return SpeculationConfig(max_speculative_tokens=k_max, dynamic_draft_length=dynamic)
+
+
+def _verify(k: int) -> float:
+    """A verify cost growing 10 ms per draft token (float32 on a CPU)."""
+    return 0.2 + 0.01 * k
+
+
+def _round(
+    k: int,
+    *,
+    catchup_s: float = CATCHUP_S,
+    catchup_tokens: int = 1,
+    verify_s: float | None = None,
+    overhead_s: float = OVERHEAD_S,
+    draft_rebuilt: bool = False,
+    target_rebuilt: bool = False,
+) -> RoundTiming:
+    """A round drafting k tokens: a catch-up, then k - 1 draft steps of STEP_S each."""
+    draft_s = catchup_s + (k - 1) * STEP_S if k else 0.0
+    return RoundTiming(
+        verify_s=_verify(k) if verify_s is None else verify_s,
+        draft_s=draft_s,
+        catchup_s=catchup_s if k else 0.0,
+        catchup_tokens=catchup_tokens if k else 0,
+        overhead_s=overhead_s,
+        draft_rebuilt=draft_rebuilt,
+        target_rebuilt=target_rebuilt,
+    )
+
+
+def _measured(k_max: int = 8, rounds: int = 3) -> CostModel:
+    """Costs measured in steady rounds at every k."""
+    costs = CostModel(_config(k_max))
+    for _ in range(rounds):
+        for k in range(k_max + 1):
+            costs.observe(k, _round(k))
+    return costs
+
+
+def _measured_once() -> CostModel:
+    """One steady round at k = 0 and one at k = 4: a single sample per estimate, so any sample
+    taken in would move it."""
+    costs = CostModel(_config())
+    costs.observe(0, _round(0))
+    costs.observe(4, _round(4))
+    return costs
+
+
+def _snapshot(costs: CostModel, k_max: int = 8) -> list[float]:
+    return [
+        costs.draft_step_seconds,
+        costs.catchup_seconds,
+        *(costs.verify_seconds(k) for k in range(k_max + 1)),
+        *(costs.round_seconds(k) for k in range(k_max + 1)),
+    ]
+
+
+class _FixedRate:
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def observe(self, k, num_accepted):
+        pass
+
+
+# --- catch-up apart from the draft steps ------------------------------------------------------
+
+
+def test_draft_step_is_measured_without_the_catchup():
+    costs = CostModel(_config())
+    costs.observe(5, _round(5, catchup_s=0.5, catchup_tokens=2))
+    # (0.5 + 4 x 0.02 - 0.5) / 4 draft steps: the catch-up is not a draft step.
+    assert costs.draft_step_seconds == pytest.approx(STEP_S)
+    assert costs.catchup_seconds == pytest.approx(0.5)
+    assert costs.draft_seconds(5) == pytest.approx(0.5 + 4 * STEP_S)
+
+
+def test_a_large_catchup_leaves_the_per_token_cost_alone():
+    costs = _measured_once()
+    before = _snapshot(costs)
+    # A prompt (concurrent prefill off), a return from plain decoding, a rebuilt draft: each
+    # catch-up carries many tokens and takes seconds.
+    costs.observe(4, _round(4, catchup_s=6.0, catchup_tokens=300))
+    costs.observe(1, _round(1, catchup_s=2.0, catchup_tokens=CATCHUP_STEADY_TOKENS + 1))
+    costs.observe(4, _round(4, catchup_s=9.0, catchup_tokens=900, draft_rebuilt=True))
+    assert _snapshot(costs) == pytest.approx(before)
+
+
+def test_a_single_token_round_measures_no_draft_step():
+    costs = CostModel(_config())
+    costs.observe(1, _round(1))
+    assert costs.draft_step_seconds is None  # its draft time is all catch-up
+    assert costs.catchup_seconds == pytest.approx(CATCHUP_S)
+
+
+def test_catchup_falls_back_to_a_draft_step_before_it_is_measured():
+    costs = CostModel(_config())
+    costs.observe(4, _round(4, catchup_s=3.0, catchup_tokens=120))  # the first round's prefill
+    assert costs.catchup_seconds == pytest.approx(STEP_S)
+
+
+# --- rebuilds and outliers --------------------------------------------------------------------
+
+
+def test_rounds_that_rebuilt_a_cache_do_not_inflate_the_costs():
+    costs = _measured_once()
+    before = _snapshot(costs)
+    for k in (0, 4):
+        # The target recomputed the whole prefix, and the resent call added a round trip.
+        costs.observe(k, _round(k, verify_s=30.0, overhead_s=5.0, target_rebuilt=True))
+    # The draft rebuilt in its catch-up; the catch-up it reports fed only the tokens its old
+    # entry lacked, so only the flag tells.
+    rebuilt = _round(4, catchup_s=20.0, catchup_tokens=1, overhead_s=5.0, draft_rebuilt=True)
+    costs.observe(4, rebuilt)
+    assert _snapshot(costs) == pytest.approx(before)
+
+
+def test_isolated_outliers_do_not_move_an_estimate_and_a_new_level_does():
+    costs = _measured(rounds=WINDOW)
+    before = _snapshot(costs)
+    outliers = WINDOW // 2  # a minority of the window, each 100x the steady cost
+    for _ in range(outliers):
+        costs.observe(2, _round(2, catchup_s=100 * CATCHUP_S, verify_s=100 * _verify(2)))
+    assert _snapshot(costs) == pytest.approx(before)
+    # A real change (e.g. a busier device) becomes the estimate once it is the majority.
+    costs.observe(2, _round(2, catchup_s=100 * CATCHUP_S, verify_s=100 * _verify(2)))
+    assert costs.verify_seconds(2) == pytest.approx(100 * _verify(2))
+    assert costs.catchup_seconds == pytest.approx(100 * CATCHUP_S)
+
+
+def _run_low_acceptance_request(controller: KController, costs: CostModel, rounds: int) -> list:
+    """Drives a request whose draft is never accepted; a catch-up after plain rounds carries
+    every token committed meanwhile (the first one the prompt, 400 tokens). Returns its ks."""
+    ks, pending = [], 400
+    for _ in range(rounds):
+        k = controller.choose(limit=1000).k
+        ks.append(k)
+        catchup_tokens = pending if k else 0
+        catchup_s = CATCHUP_S if catchup_tokens <= CATCHUP_STEADY_TOKENS else 0.01 * pending
+        controller.observe(k, 0, _round(k, catchup_s=catchup_s, catchup_tokens=catchup_tokens))
+        pending = 1 if k else pending + 1
+    return ks
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-length", "dynamic-length"])
+def test_a_low_acceptance_request_goes_plain_and_leaves_another_request_speculating(dynamic):
+    costs = _measured()
+    good = KController(costs, _config(dynamic=dynamic))
+    for _ in range(50):
+        good.observe(8, 8, _round(8))  # high acceptance: every draft token accepted
+    plan = good.choose(limit=1000)
+    assert plan.k >= 2
+    before = _snapshot(costs)
+
+    poisoned = KController(costs, _config(dynamic=dynamic))
+    ks = _run_low_acceptance_request(poisoned, costs, rounds=3 * PROBE_EVERY)
+
+    assert ks[-1] == 0 and ks.count(0) >= 2 * PROBE_EVERY
+    # It probes k = 1 after each PROBE_EVERY plain rounds, then returns to plain decoding.
+    probe = ks.index(0) + PROBE_EVERY
+    assert ks[probe] == 1 and ks[probe + 1] == 0
+    assert _snapshot(costs) == pytest.approx(before)
+    assert good.choose(limit=1000) == (plan.k, pytest.approx(plan.min_draft_confidence))
+
+
+# --- priors from the device calibration -------------------------------------------------------
+
+
+def test_prior_prices_rounds_before_any_measurement():
+    prior = CostPrior(verify_s=[_verify(k) for k in range(9)], draft_step_s=0.05, catchup_s=0.06)
+    costs = CostModel(_config(), prior=prior)
+    assert costs.ready
+    assert costs.round_seconds(0) == pytest.approx(_verify(0))
+    assert costs.round_seconds(3) == pytest.approx(0.06 + 2 * 0.05 + _verify(3))
+
+
+def test_measurements_replace_the_prior():
+    prior = CostPrior(verify_s=[1.0] * 9, draft_step_s=1.0, catchup_s=1.0)
+    costs = CostModel(_config(), prior=prior)
+    measured = _snapshot(_measured())
+    for k in range(9):
+        costs.observe(k, _round(k))
+    assert _snapshot(costs) == pytest.approx(measured)
+
+
+def test_a_partly_measured_verify_keeps_the_priors_shape_at_the_measured_level():
+    prior = CostPrior(verify_s=[0.1 * (k + 1) for k in range(9)], draft_step_s=STEP_S)
+    costs = CostModel(_config(), prior=prior)
+    costs.observe(0, _round(0, verify_s=0.2))  # twice the prior at k = 0
+    assert costs.verify_seconds(0) == pytest.approx(0.2)
+    assert costs.verify_seconds(5) == pytest.approx(2 * 0.6)
+    costs.observe(8, _round(8, verify_s=0.9))  # the prior at k = 8: ratio 1
+    # Ratio interpolated between 2 (k = 0) and 1 (k = 8): 1.5 at k = 4.
+    assert costs.verify_seconds(4) == pytest.approx(1.5 * 0.5)
+
+
+def test_prior_catchup_defaults_to_a_draft_step_and_its_table_fits_k_max():
+    prior = CostPrior(verify_s=[0.3, 0.4], draft_step_s=STEP_S)
+    costs = CostModel(_config(k_max=4), prior=prior)
+    assert costs.catchup_seconds == pytest.approx(STEP_S)
+    assert [costs.verify_seconds(k) for k in range(5)] == pytest.approx([0.3, 0.4, 0.4, 0.4, 0.4])
+    assert prior.verify_table(0) == [0.3]
+
+
+@pytest.mark.parametrize(
+    "verify_s, step_s",
+    [([], 0.1), ([0.1, -0.1], 0.1), ([0.1], 0.0), ([float("nan")], 0.1)],
+)
+def test_prior_rejects_missing_or_non_positive_seconds(verify_s, step_s):
+    with pytest.raises(ValueError):
+        CostPrior(verify_s=verify_s, draft_step_s=step_s)
+
+
+def test_without_prior_the_first_rounds_draft_initial_k_with_one_k_is_chosen():
+    blind = KController(CostModel(_config()), _config(), acceptance=_FixedRate(0.6))
+    assert blind.choose(limit=1000).k == blind.initial_k
+    # A prior saying speculation cannot pay here (a verify 10x a plain step at k_max) switches
+    # it off from the first round instead.
+    prior = CostPrior(verify_s=[0.2 + 0.15 * k for k in range(9)], draft_step_s=0.06)
+    informed = KController(CostModel(_config(), prior), _config(), acceptance=_FixedRate(0.6))
+    assert informed.choose(limit=1000).k == 0
+
+
+# --- hand-computed choices --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "k_max, verify_s, step_s, catchup_s, rate, expected",
+    [
+        # bfloat16 on an AMX CPU, fixed width: verify 0.25 s at every k; draft step and catch-up
+        # 0.03 s; a = 0.7. tokens/s = E(k) / (0.25 + 0.03 k): k=3 2.533/0.34 = 7.450,
+        # k=4 2.7731/0.37 = 7.495, k=5 2.94117/0.40 = 7.353; k=0 4.0.
+        (8, [0.25] * 9, 0.03, 0.03, 0.7, 4),
+        # float32 on a CPU: verify 0.45 + 0.07 k; draft step 0.06, catch-up 0.07; a = 0.7.
+        # Round 0.45 + 0.07 + 0.06 (k - 1) + 0.07 k: k=1 1.7/0.59 = 2.881, k=2 2.19/0.72 = 3.042,
+        # k=3 2.533/0.85 = 2.980; k=0 1/0.45 = 2.222.
+        (8, [0.45 + 0.07 * k for k in range(9)], 0.06, 0.07, 0.7, 2),
+        # bfloat16 without AMX: verify 0.2 s at width 1, +0.15 s per row (2.0 s at 13 rows);
+        # a = 0.6. k=0 1/0.2 = 5.0 beats k=1 1.6/0.42 = 3.81 and every larger k.
+        (12, [0.2 + 0.15 * k for k in range(13)], 0.06, 0.07, 0.6, 0),
+    ],
+    ids=["flat-bf16-amx", "growing-float32", "steep-bf16-avx2"],
+)
+def test_k_follows_the_cost_curve(k_max, verify_s, step_s, catchup_s, rate, expected):
+    prior = CostPrior(verify_s=verify_s, draft_step_s=step_s, catchup_s=catchup_s)
+    controller = KController(
+        CostModel(_config(k_max), prior), _config(k_max), acceptance=_FixedRate(rate)
+    )
+    assert controller.choose(limit=1000).k == expected
+    # The same curve measured instead of given: the same choice.
+    costs = CostModel(_config(k_max))
+    for k in range(k_max + 1):
+        draft_s = catchup_s + (k - 1) * step_s if k else 0.0
+        timing = RoundTiming(verify_s[k], draft_s, catchup_s if k else 0.0, 1 if k else 0)
+        costs.observe(k, timing)
+    measured = KController(costs, _config(k_max), acceptance=_FixedRate(rate))
+    assert measured.choose(limit=1000).k == expected
+
+
+def test_dynamic_length_floor_uses_the_draft_step_not_the_catchup():
+    # Flat verify 0.25 s, draft step 0.03 s, catch-up 0.3 s (ten steps), a = 0.7. Round
+    # 0.25 + 0.3 + 0.03 (k - 1): best fixed k = 5 (E 2.94117 in 0.67 s, 4.3898 tokens/s; k=4
+    # 4.3330, k=6 4.3697, k=0 4.0); one more token costs one draft step, not a catch-up, so the
+    # floor is 0.03 x 4.3898.
+    prior = CostPrior(verify_s=[0.25] * 9, draft_step_s=0.03, catchup_s=0.3)
+    controller = KController(
+        CostModel(_config(), prior), _config(dynamic=True), acceptance=_FixedRate(0.7)
+    )
+    assert controller.choose(limit=1000) == (8, pytest.approx(0.03 * 2.94117 / 0.67, rel=1e-4))

@@ -1,0 +1,117 @@
+"""What the round loop tells the controller and the replicas, on the tiny in-process pair: the
+draft's catch-up apart from its steps, rebuilt rounds flagged, prompt_len on every call."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.decoding.controller import CATCHUP_STEADY_TOKENS, CostModel, RoundTiming
+from specdec.decoding.request import encode_prompt, prepare_request
+from specdec.decoding.round_loop import RoundLoop
+from specdec.pairs.tiny import PROMPTS
+
+K = 3
+DRAFT_MISS_CALL = 3  # the draft's prefill, round 1, then round 2 finds its cache gone
+TARGET_MISS_CALL = 4  # the target's prefill, rounds 1 and 2, then round 3
+
+
+class _Recording:
+    """Wraps the engine's transport: records each call and drops a side's session cache before
+    its n-th call, as an LRU eviction or a replica restart would."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: dict[str, list] = {"draft": [], "target": []}
+
+    async def propose(self, request):
+        self._before("draft", request, self.inner.proposer, DRAFT_MISS_CALL)
+        response = await self.inner.propose(request)
+        self.calls["draft"][-1]["response"] = response
+        return response
+
+    async def verify(self, request):
+        self._before("target", request, self.inner.verifier, TARGET_MISS_CALL)
+        return await self.inner.verify(request)
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+    def _before(self, side, request, model, miss_call) -> None:
+        session = request.session
+        self.calls[side].append(
+            {
+                "prefix_len": session.prefix_len,
+                "prompt_len": session.prompt_len,
+                "new_tokens": len(session.new_token_ids),
+            }
+        )
+        if len(self.calls[side]) == miss_call:
+            model.sessions.evict(session.session_id)
+
+
+class _SpyCosts(CostModel):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.rounds: list[tuple[int, RoundTiming]] = []
+
+    def observe(self, k: int, timing: RoundTiming) -> None:
+        self.rounds.append((k, timing))
+        super().observe(k, timing)
+
+
+@pytest.fixture(scope="module")
+def recorded(engine):
+    """One fixed-k request through a recording transport: (transport, costs, prompt length)."""
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
+    params = SamplingParams(max_new_tokens=40)
+    request = prepare_request(prompt_ids, params, engine.limits, K)
+    transport = _Recording(engine.transport)
+    costs = _SpyCosts(engine.config.speculation)
+    loop = RoundLoop(transport, engine.tokenizer, request, costs, engine.config.speculation)
+
+    async def run() -> None:
+        async with contextlib.aclosing(loop.run()) as deltas:
+            async for _ in deltas:
+                pass
+
+    asyncio.run(run())
+    assert len(costs.rounds) >= 4, "the request ended before the rebuilt rounds"
+    return transport, costs, len(prompt_ids)
+
+
+def test_every_call_carries_the_prompt_length(recorded):
+    transport, _, prompt_len = recorded
+    calls = transport.calls["draft"] + transport.calls["target"]
+    assert [c["prompt_len"] for c in calls] == [prompt_len] * len(calls)
+
+
+def test_rounds_that_resent_the_sequence_are_flagged_as_rebuilds(recorded):
+    _, costs, _ = recorded
+    flags = [(t.draft_rebuilt, t.target_rebuilt) for _, t in costs.rounds]
+    # Round 2 resent the draft's sequence, round 3 the target's; no other round rebuilt.
+    expected = [(False, False)] * len(flags)
+    expected[1], expected[2] = (True, False), (False, True)
+    assert flags == expected
+
+
+def test_the_draft_reports_its_catchup_apart_from_its_steps(recorded):
+    transport, costs, prompt_len = recorded
+    prefill = transport.calls["draft"][0]
+    assert prefill["response"].catchup_tokens == prompt_len  # k = 0: all catch-up
+    assert prefill["response"].catchup_s == prefill["response"].compute_s
+    rebuilt = transport.calls["draft"][DRAFT_MISS_CALL]  # the resend after the miss
+    assert rebuilt["prefix_len"] == 0
+    assert [k for k, _ in costs.rounds[:4]] == [K] * 4
+    for i, (k, timing) in enumerate(costs.rounds):
+        if k == 0:  # the last round, capped by max_new_tokens: no draft call
+            assert timing.catchup_tokens == 0 and timing.draft_s == 0.0
+            continue
+        assert 0 < timing.catchup_s <= timing.draft_s
+        if i == 1:  # the rebuilt draft fed the whole committed sequence
+            assert timing.catchup_tokens == rebuilt["new_tokens"] > CATCHUP_STEADY_TOKENS
+        else:  # last round's last accepted token and the bonus, or the correction alone
+            assert 1 <= timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
