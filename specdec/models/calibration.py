@@ -21,12 +21,15 @@ controller prices rounds from ``forward_s``, and GetModelInfo reports all of it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
+import os
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -170,13 +173,36 @@ def load_calibrated(
     automatic = dtype == AUTO
     dtypes = candidate_dtypes(role, device) if automatic else [dtype]
     loaded = load_model(spec, dtype="float32" if automatic else dtype, device=device)
-    return calibrate(
-        loaded,
-        role,
-        dtypes,
-        max_speculative_tokens=max_speculative_tokens,
-        automatic=automatic,
-    )
+    with _one_at_a_time(device):
+        return calibrate(
+            loaded,
+            role,
+            dtypes,
+            max_speculative_tokens=max_speculative_tokens,
+            automatic=automatic,
+        )
+
+
+@contextlib.contextmanager
+def _one_at_a_time(device: str | torch.device) -> Iterator[None]:
+    """Holds a host-wide lock while a CPU replica measures: replicas sharing the cores (a local
+    cluster) measured each other's load otherwise, and the bundled target picked bfloat16 in
+    one run and float32 in the next on the same machine. GPUs measure on their own device."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), "specdec-calibration.lock")
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def calibrate(
