@@ -104,10 +104,11 @@ class SpeculativeEngine:
         config: SpeculationConfig | SpecdecConfig | None = None,
         **settings: Any,
     ) -> SpeculativeEngine:
-        """Loads both models offline (see specdec.models.load_model_pair) in the config's
-        ``dtype``, ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast; "auto": the
-        fastest measured on this device, specdec.models.calibration) and ``device``, and builds
-        the engine; ``config`` and ``settings`` as for the engine.
+        """Loads both models offline (specdec.models.calibration.load_calibrated; the
+        constructor checks that they share a tokenizer) in the config's ``dtype``,
+        ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast; "auto": the fastest
+        measured on this device) and ``device``, and builds the engine; ``config`` and
+        ``settings`` as for the engine.
         """
         if isinstance(settings.get("device"), torch.device):
             settings["device"] = str(settings["device"])
