@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from specdec.cluster.processes import (
+    NODE_IP,
     cluster_pids,
     free_ports,
     owned,
     pid_alive,
+    prepare_driver,
     reap,
     rss_bytes,
     signal_pids,
@@ -65,6 +67,7 @@ __all__ = [
     "cluster_pids",
     "down",
     "format_status",
+    "prepare_driver",
     "state_dir_path",
     "status",
     "up",
@@ -89,7 +92,7 @@ def _wait_port(info: ClusterInfo, deadline: float) -> None:
             raise _fail(info, "the head node exited during startup")
         with (
             contextlib.suppress(OSError),
-            socket.create_connection(("127.0.0.1", info.gcs_port), 0.5),
+            socket.create_connection((NODE_IP, info.gcs_port), 0.5),
         ):
             return
         time.sleep(0.2)
@@ -153,6 +156,11 @@ def up(
             ``{"draft_pool": 100}`` and ``{"target_pool": 100}``.
         wait_s: seconds to wait for all nodes to be alive with their resources.
 
+    Every node listens on 127.0.0.1 only (see ``processes.ray_start_main``); token auth is on
+    when the caller has a Ray auth token (``processes.auth_mode``). This process is prepared to
+    connect to the cluster as a driver (``prepare_driver``); another process calls
+    ``prepare_driver`` itself before ``ray.init(address=...)``.
+
     Returns the ClusterInfo, also written to ``<state_dir>/cluster.json``.
 
     Raises:
@@ -164,6 +172,7 @@ def up(
     sd = state_dir_path(state_dir)
     sd.mkdir(parents=True, exist_ok=True)
     _clear_stale(sd)
+    prepare_driver()  # up() itself reads the GCS node table
     # Ray's socket paths must stay under ~107 bytes, so the temp root is short and fixed per
     # state_dir; it is wiped on the next up() but outlives down() for post-mortem logs.
     temp_root = Path("/tmp") / f"specdec-{hashlib.sha1(str(sd).encode()).hexdigest()[:10]}"
@@ -171,7 +180,7 @@ def up(
     gcs, dash, client, *agents = free_ports(6)
     gcs = head_port or gcs
     info = ClusterInfo(
-        address=f"127.0.0.1:{gcs}",
+        address=f"{NODE_IP}:{gcs}",
         gcs_port=gcs,
         dashboard_port=dash,
         client_port=client,
@@ -203,8 +212,8 @@ def up(
     except BaseException:
         down(sd)
         raise
-    # Ray advertises the machine's routable IP even for a 127.0.0.1 bootstrap address (it
-    # rewrites loopback), so record the address exactly as the cluster itself reports it.
+    # Record the address exactly as the cluster itself reports it: were Ray to rewrite the
+    # loopback node IP again (see processes.ray_start_main), drivers would follow.
     head_ip = next(
         n["NodeManagerAddress"]
         for n in gcs_nodes(info.address)
@@ -281,7 +290,8 @@ def down(
 
 
 def address(state_dir: Path | str | None = None) -> str:
-    """GCS address ("ip:port") of the running local cluster.
+    """GCS address ("ip:port") of the running local cluster; a driver connects to it after
+    ``prepare_driver()`` (the auth mode and loopback address of the nodes).
 
     Raises RuntimeError when no cluster from this state_dir is running.
     """

@@ -1,9 +1,10 @@
 """The processes of a local cluster: starting a node, finding its processes, stopping them.
 
-Each node is one ``ray start --block`` subprocess that we start as the leader of a new
-session. Everything that node spawns (GCS, raylet, agents, and the workers the raylet forks,
-which Ray moves into their own process groups but not out of the session) keeps that session
-id, and also inherits a marker variable ``SPECDEC_CLUSTER_ID=<id>`` in its environment.
+Each node is one ``ray start --block`` subprocess (Ray's CLI run by ``ray_start_main``, so that
+its node IP stays 127.0.0.1 and its servers listen on loopback only) that we start as the leader
+of a new session. Everything that node spawns (GCS, raylet, agents, and the workers the raylet
+forks, which Ray moves into their own process groups but not out of the session) keeps that
+session id, and also inherits a marker variable ``SPECDEC_CLUSTER_ID=<id>`` in its environment.
 ``cluster_pids`` finds exactly the processes matching either rule, and nothing else: no
 ``ray stop``, no ``pkill``. Linux only (reads ``/proc``).
 """
@@ -11,6 +12,7 @@ id, and also inherits a marker variable ``SPECDEC_CLUSTER_ID=<id>`` in its envir
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -110,16 +112,71 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def ray_executable() -> str:
-    """Path of the ``ray`` CLI of this interpreter; raises RuntimeError when it is missing."""
-    exe = Path(sys.executable).parent / "ray"
-    if not exe.exists():
-        raise RuntimeError(f"no `ray` executable next to {sys.executable}; install ray[serve]")
-    return str(exe)
+# ---------------------------------------------------------------- environment
+
+# Every node's address: its servers then listen on loopback only (see ray_start_main).
+NODE_IP = "127.0.0.1"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+# Ray's switch for machines where it supports no multi-node clusters (on by default on macOS and
+# Windows). Set to "0", a process resolves "this machine" to 127.0.0.1 instead of its routable
+# IP, so ray.init(address="127.0.0.1:port") stays on loopback (ray/_private/services.py,
+# get_node_ip_address and resolve_ip_for_localhost). It changes nothing else in a driver.
+SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def has_auth_token(env: Mapping[str, str]) -> bool:
+    """Whether Ray would find an auth token in ``env``: ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    (Ray refuses to start when that file is unreadable or empty, rather than going on without)
+    or ``$HOME/.ray/auth_token``; the sources of Ray's token loader, docs.ray.io
+    "Token Authentication" (ray-core/internals)."""
+    if env.get(TOKEN_ENV) or env.get(TOKEN_PATH_ENV):
+        return True
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    return (home / ".ray" / "auth_token").is_file()
+
+
+def auth_mode(env: Mapping[str, str]) -> str:
+    """``RAY_AUTH_MODE`` for the cluster and its drivers: the caller's, when ``env`` sets it;
+    else "token" when the caller has a token (``has_auth_token``), "disabled" without one.
+
+    Ray itself turns token auth on for a token only in ``ray start --head`` and in drivers that
+    find their cluster by themselves (ray/_private/worker.py, ``ray.init``: "an explicit address
+    (argument or RAY_ADDRESS) never does"; ray/scripts/scripts.py, the worker-node path never
+    does): left to Ray, our pool nodes and drivers would not speak to an authenticated head.
+    """
+    return env.get(AUTH_MODE_ENV) or ("token" if has_auth_token(env) else "disabled")
+
+
+def prepare_driver() -> None:
+    """Prepares this process to connect to the local cluster (``ray.init(address=...)``, a GCS
+    client such as ``status.gcs_nodes``): sets ``RAY_AUTH_MODE`` as the nodes have it
+    (``auth_mode``) and ``SINGLE_HOST_ENV=0`` (Ray would otherwise rewrite the cluster's
+    127.0.0.1 address to the machine's routable IP, where nothing listens), in ``os.environ``
+    so that child processes inherit both.
+
+    Ray reads these when it is imported and when its config is built; when Ray is already
+    imported, its copies are updated too (``Config.initialize("")`` is how Ray itself re-reads
+    the auth mode, ray/_private/authentication/authentication_token_setup.py). Call it before
+    ``ray.init``, not while connected; calling it again changes nothing.
+    """
+    mode = auth_mode(os.environ)
+    changed = os.environ.get(AUTH_MODE_ENV) != mode
+    os.environ[AUTH_MODE_ENV] = mode
+    os.environ[SINGLE_HOST_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    raylet = sys.modules.get("ray._raylet")
+    if changed and raylet is not None:
+        raylet.Config.initialize("")
 
 
 def node_env(cluster_id: str) -> dict[str, str]:
-    """The environment of a node's ``ray start``: ours, marked with ``cluster_id``."""
+    """The environment of a node's ``ray start``: ours, marked with ``cluster_id``, with the
+    auth mode of ``auth_mode`` and ``SINGLE_HOST_ENV=0`` (for every process the node starts:
+    agents, workers and the Serve actors resolve this machine to 127.0.0.1, as drivers do)."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # never let a user's RAY_ADDRESS steer our nodes
     env.update(
@@ -130,13 +187,43 @@ def node_env(cluster_id: str) -> dict[str, str]:
             # On SIGTERM a node otherwise drains for up to 30 s to protect in-flight traffic;
             # down() stops the whole cluster, so there is no traffic to protect.
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            SINGLE_HOST_ENV: "0",
+            AUTH_MODE_ENV: auth_mode(env),
         }
     )
-    # Unset, Ray turns token auth on whenever ~/.ray/auth_token happens to exist, and then
-    # drivers connecting with an explicit address are refused. Be explicit; honour a choice
-    # the caller made in their environment (their drivers will share it).
-    env.setdefault("RAY_AUTH_MODE", "disabled")
     return env
+
+
+def ray_start_command() -> list[str]:
+    """``ray start`` as this interpreter runs it through ``ray_start_main``.
+
+    Raises RuntimeError when Ray is not installed.
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise RuntimeError(f"Ray is not installed for {sys.executable}; install ray[serve]")
+    return [sys.executable, "-m", __name__, "start"]
+
+
+def ray_start_main() -> None:
+    """Runs Ray's CLI (``sys.argv[1:]``, e.g. ``start --address=127.0.0.1:port ...``) keeping a
+    loopback ``--node-ip-address`` and ``--address`` as given.
+
+    Every Ray server picks its listening address from its node's IP: loopback only when that IP
+    is a localhost address, all interfaces otherwise (e.g. ray/dashboard/agent.py, the agent's
+    gRPC server; ray/autoscaler/_private/monitor.py, the metrics server). But on Linux
+    ``ray start`` replaces a loopback node IP by the machine's routable one
+    (ray/scripts/scripts.py, ``services.resolve_ip_for_localhost(node_ip_address)``), and
+    ``SINGLE_HOST_ENV=0``, which would keep it, also refuses to start any non-head node. So in
+    this process alone, node starts are allowed and loopback is kept; everything the node starts
+    inherits ``SINGLE_HOST_ENV=0`` from ``node_env``.
+    """
+    from ray._private import ray_constants, services
+    from ray.scripts.scripts import main
+
+    ray_constants.ENABLE_RAY_CLUSTER = True
+    services.resolve_ip_for_localhost = lambda host: host
+    sys.argv[0] = "ray"
+    main()
 
 
 def start_node(
@@ -160,9 +247,9 @@ def start_node(
     log_path = Path(info.state_dir) / "logs" / f"{role}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        ray_executable(),
-        "start",
+        *ray_start_command(),
         "--block",  # keeps `ray start` alive as the root of this node's process tree
+        f"--node-ip-address={NODE_IP}",
         f"--num-cpus={num_cpus}",
         "--num-gpus=0",
         f"--resources={json.dumps(dict(resources))}",
@@ -249,3 +336,7 @@ def stop_nodes(info: ClusterInfo, nodes: list[NodeProcess], seen: set[int], grac
     deadline = time.monotonic() + min(grace_s, 3.0)
     while time.monotonic() < deadline and cluster_pids(sub, marker=False):
         time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    ray_start_main()

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from specdec.cluster.processes import cluster_pids, owned, rss_bytes
+from specdec.cluster.processes import cluster_pids, owned, prepare_driver, rss_bytes
 from specdec.cluster.state import POOLS, ROLE_LABEL, ClusterInfo, load_state, state_dir_path
 
 
@@ -26,6 +26,7 @@ def gcs_nodes(address: str) -> list[dict[str, Any]]:
     from ray._private.state import GlobalState
     from ray._raylet import GcsClientOptions
 
+    prepare_driver()  # the GCS refuses a client without the token when auth is on
     state = GlobalState()
     state._initialize_global_state(
         GcsClientOptions.create(
@@ -55,6 +56,7 @@ def _driver(addr: str) -> Iterator[None]:
             )
         yield
         return
+    prepare_driver()
     ray.init(address=addr, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     try:
         yield

@@ -18,6 +18,7 @@ from ray.serve._private import api as serve_api
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
+from specdec.cluster.processes import prepare_driver
 from specdec.config import SIDES, SpecdecConfig
 
 APPLICATION = "specdec"
@@ -94,6 +95,7 @@ def deploy(
     config = load_config(path, overrides)
     app_config(config)
     if not ray.is_initialized():
+        prepare_driver()  # a local cluster's auth mode and loopback address
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     elif not _same_cluster(address, connected := ray.get_runtime_context().gcs_address):
         # Deploying through the open connection would deploy to the wrong cluster, and then

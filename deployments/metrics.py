@@ -77,6 +77,15 @@ class RouterMetrics:
         self.completion_tokens = metrics.Counter(
             "specdec_completion_tokens", "Tokens generated, after stop trimming."
         )
+        self.rounds_without_draft = metrics.Counter(
+            "specdec_rounds_without_draft",
+            "Decode rounds run at k = 0 because the draft side was unavailable or failed.",
+        )
+        self.draft_available = metrics.Gauge(
+            "specdec_draft_available",
+            "1 while this router calls the draft side, 0 while it runs rounds on the target "
+            "alone after a draft failure.",
+        )
         self.tokens_per_round = metrics.Histogram(
             "specdec_tokens_per_round",
             "Per request: tokens committed per decode round, bonus included.",
@@ -114,6 +123,7 @@ class RouterMetrics:
             (self.draft_tokens, stats.draft_tokens),
             (self.accepted_tokens, stats.accepted_tokens),
             (self.completion_tokens, stats.completion_tokens),
+            (self.rounds_without_draft, stats.rounds_without_draft),
         ):
             _add(counter, value)
         for position, (drafted, accepted) in enumerate(

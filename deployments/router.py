@@ -41,6 +41,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.controller import CostModel
+from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import (
     AUTO,
     ModelLimits,
@@ -109,8 +110,8 @@ def retryable(err: BaseException) -> bool:
 class HandleTransport:
     """The round loop's transport over Serve handles, for one session.
 
-    A call that fails because its replica died, drained or is missing (``retryable``) or did
-    not answer within ``service.call_timeout_s`` is retried; Serve routes the retry to a live
+    A target call that fails because its replica died, drained or is missing (``retryable``)
+    or did not answer within ``service.call_timeout_s`` is retried; Serve routes the retry to a live
     replica, which answers cache_miss, and the round loop resends the whole sequence so that
     replica rebuilds the session. Draws are keyed by position, so a retried call gives the same
     tokens. A retry never runs past ``service.unavailable_after_s`` after the call began (config
@@ -131,7 +132,13 @@ class HandleTransport:
         self._service = service
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
-        return await self._call(self._draft, "propose", request)
+        """One attempt, never retried: the round loop goes on without the draft when it fails
+        (specdec.decoding.degrade). A call that carries the whole sequence (a prefill, a
+        rebuild) may take call_timeout_s, a round's catch-up and steps draft_timeout_s."""
+        service = self._service
+        full = request.session.prefix_len == 0
+        timeout = service.call_timeout_s if full else service.draft_timeout_s
+        return await asyncio.wait_for(self._draft.propose.remote(request), timeout)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         return await self._call(self._target, "verify", request)
@@ -250,10 +257,14 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(config.speculation)
         self._prior_set = False
+        self.draft_availability = DraftAvailability(
+            config.service.draft_retry_s, probe=self._probe_draft, on_change=self._draft_changed
+        )
         # One thread tokenizes every request's prompt, off the event loop and one at a time (a
         # flood of long prompts then costs one core, not one thread each).
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         self.metrics = RouterMetrics()
+        self.metrics.draft_available.set(1)
         self._info = health.ModelInfoCache(
             {"draft": self.draft.model_info.remote, "target": self.target.model_info.remote},
             config.service.unavailable_after_s,
@@ -302,26 +313,29 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self, request: specdec_pb2.ModelInfoRequest, grpc_context: RayServegRPCContext
     ) -> specdec_pb2.ModelInfo:
         try:
-            draft, target = await self._model_info()
+            draft, target = await self._model_info(draft_wait_s=health.PROBE_S)
         except Exception as err:  # noqa: BLE001
             self._fail("GetModelInfo", err, grpc_context)
             return specdec_pb2.ModelInfo()
         service = self.config.service
-        return specdec_pb2.ModelInfo(
-            draft_model=draft["name"],
+        info = specdec_pb2.ModelInfo(
             target_model=target["name"],
             vocab_size=target["vocab_size"],
-            draft_context_limit=draft["context_limit"],
             target_context_limit=target["context_limit"],
-            context_limit=min(draft["context_limit"], target["context_limit"]),
+            context_limit=target["context_limit"],
             draft_pool=service.draft_pool,
             target_pool=service.target_pool,
-            draft_dtype=draft["dtype"],
             target_dtype=target["dtype"],
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            draft_calibration=_calibration(draft),
             target_calibration=_calibration(target),
         )
+        if draft is not None:  # else: no draft replica has answered yet (draft fields unset)
+            info.draft_model = draft["name"]
+            info.draft_context_limit = draft["context_limit"]
+            info.context_limit = min(draft["context_limit"], target["context_limit"])
+            info.draft_dtype = draft["dtype"]
+            info.draft_calibration.CopyFrom(_calibration(draft))
+        return info
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
         """grpc.health.v1: NOT_SERVING until a target replica has answered model_info, SERVING
@@ -378,21 +392,41 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         transport = HandleTransport(
             self.draft, self.target, prepared.session_id, self.config.service
         )
-        return RoundLoop(transport, self.tokenizer, prepared, self.costs, self.config.speculation)
+        return RoundLoop(
+            transport,
+            self.tokenizer,
+            prepared,
+            self.costs,
+            self.config.speculation,
+            self.draft_availability,
+        )
 
-    async def _model_info(self) -> tuple[dict, dict]:
-        """(draft, target) model_info; a request needs both (its limits take the smaller context).
+    async def _probe_draft(self) -> None:
+        """Whether a draft replica answers (its model_info), within draft_timeout_s."""
+        await asyncio.wait_for(self.draft.model_info.remote(), self.config.service.draft_timeout_s)
+
+    def _draft_changed(self, available: bool) -> None:
+        self.metrics.draft_available.set(int(available))
+
+    async def _model_info(self, draft_wait_s: float = 0.0) -> tuple[dict | None, dict]:
+        """(draft, target) model_info. A request needs only the target's: the draft's is None
+        when no draft replica has answered within draft_wait_s seconds (its fetch goes on in
+        the background; requests run without the draft meanwhile).
 
         Raises:
-            ServiceUnavailable: either side has not answered within unavailable_after_s.
+            ServiceUnavailable: the target has not answered within unavailable_after_s.
         """
         try:
-            draft, target = await asyncio.gather(self._info.get("draft"), self._info.get("target"))
+            target = await self._info.get("target")
         except Exception as err:  # noqa: BLE001 - retryable() decides; others propagate
             if not retryable(err):
                 raise
-            raise ServiceUnavailable(f"draft or target deployment not answering: {err!r}") from err
-        if not self._prior_set:
+            raise ServiceUnavailable(f"target deployment not answering: {err!r}") from err
+        try:
+            draft = await self._info.get("draft", draft_wait_s)
+        except Exception:  # noqa: BLE001 - the draft is optional
+            draft = None
+        if not self._prior_set and draft is not None:
             # The replicas' start-up measurements price the first rounds of the first requests.
             k_max = self.config.speculation.max_speculative_tokens
             prior = cost_prior(_calibration(target), _calibration(draft), k_max)
@@ -403,9 +437,10 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
 
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
+        contexts = [target["context_limit"]] + ([draft["context_limit"]] if draft else [])
         return ModelLimits(
             vocab_size=target["vocab_size"],
-            context_limit=min(draft["context_limit"], target["context_limit"]),
+            context_limit=min(contexts),
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
             eos_token_ids=frozenset(target["eos_token_ids"]),
         )

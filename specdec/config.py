@@ -167,6 +167,18 @@ class ServiceConfig(_Section):
     retries of a failed or timed-out call stop there (a retry never outlasts it), and so does
     the wait for the replicas' model info."""
 
+    draft_timeout_s: float = 10.0
+    """Seconds a decode round's propose may take. Past it, or on any error of the draft side,
+    the request goes on without the draft (k = 0: the target alone, still exact; its stats
+    count `rounds_without_draft`), and so do the router's other requests until the draft
+    answers again (see `draft_retry_s`). A draft call that carries a whole sequence (the
+    prompt's prefill, a rebuild) may take `call_timeout_s`; nothing waits on a prefill."""
+
+    draft_retry_s: float = 1.0
+    """Seconds from a draft failure to the router's first check that a draft replica answers
+    again (its model info, in the background); each failed check doubles the wait, up to
+    30 s. Speculation resumes once the check answers."""
+
     max_prompt_bytes: int = 1024**2
     """The largest prompt, in UTF-8 bytes of `prompt` or of all `messages` contents together;
     a larger one is refused with INVALID_ARGUMENT before it is tokenized."""
@@ -199,7 +211,7 @@ class ServiceConfig(_Section):
     """The Ray custom resource of the target replicas, as `draft_pool`."""
 
     def _check(self) -> None:
-        for name in ("call_timeout_s", "unavailable_after_s"):
+        for name in ("call_timeout_s", "unavailable_after_s", "draft_timeout_s", "draft_retry_s"):
             value = getattr(self, name)
             _require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
         _require(
@@ -382,9 +394,9 @@ def reference_markdown() -> str:
     intro = (
         "Generated from `specdec/config.py` by `python -m specdec.config`. Each setting is a key "
         "of the Serve application's `args` (`deployments/config/*.yaml`) and a keyword argument "
-        "of `SpeculativeEngine.from_pretrained` (in one process the `service` settings have no "
-        "effect). A bad value or an unknown key stops the application at start-up with a message "
-        "that starts with the setting's name."
+        "of `SpeculativeEngine.from_pretrained` (in one process, of the `service` settings only "
+        "`draft_retry_s` has an effect). A bad value or an unknown key stops the application at "
+        "start-up with a message that starts with the setting's name."
     )
     parts = [textwrap.fill(intro, width=100, break_on_hyphens=False)]
     for section, cls in _SECTIONS.items():

@@ -12,6 +12,7 @@ import torch
 
 from specdec.config import SpecdecConfig, SpeculationConfig
 from specdec.decoding.controller import CostModel
+from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
@@ -86,6 +87,9 @@ class SpeculativeEngine:
             eos_token_ids=target.eos_token_ids,
         )
         self.costs = CostModel(self.config.speculation)
+        # Without a probe: once a failed draft's retry delay has passed, the next propose is
+        # the check (the draft lives in this process).
+        self.draft_availability = DraftAvailability(self.config.service.draft_retry_s)
         protos = {}
         sides = {"draft": self.transport.proposer, "target": self.transport.verifier}
         for side, model in sides.items():
@@ -182,5 +186,10 @@ class SpeculativeEngine:
             prompt_ids, params or SamplingParams(), self.limits, num_speculative_tokens
         )
         return RoundLoop(
-            self.transport, self.tokenizer, request, self.costs, self.config.speculation
+            self.transport,
+            self.tokenizer,
+            request,
+            self.costs,
+            self.config.speculation,
+            self.draft_availability,
         )

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.config import SpeculationConfig
 from specdec.decoding.controller import CostModel, KController, RoundTiming
+from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
 from specdec.decoding.stopping import Delta, StopChecker
@@ -62,6 +63,9 @@ class RoundLoop:
         costs: measured step costs, shared across requests.
         config: k_max, the draft's q truncation, the dynamic draft length and whether the draft
             prefills with the target (specdec.config.SpeculationConfig).
+        draft: whether the draft side may be called, shared by all requests; a propose that
+            fails with any error makes the round go on at k = 0 (the target alone: still exact)
+            and is reported to it. None: a breaker of this request's own.
     """
 
     def __init__(
@@ -71,8 +75,10 @@ class RoundLoop:
         request: PreparedRequest,
         costs: CostModel,
         config: SpeculationConfig,
+        draft: DraftAvailability | None = None,
     ) -> None:
         self._transport = transport
+        self._draft = draft or DraftAvailability()
         self._request = request
         self._config = config
         params = request.params
@@ -89,6 +95,7 @@ class RoundLoop:
         self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
+        self._draft_prefill: asyncio.Future | None = None
         self.completion: Completion | None = None
 
     async def run(self) -> AsyncIterator[Delta]:
@@ -101,28 +108,57 @@ class RoundLoop:
                 yield delta
             self._finish()
         finally:
+            if self._draft_prefill is not None:
+                self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.shield(self._transport.release(self._request.session_id))
 
     async def _prefill(self) -> Delta:
-        """Builds both caches concurrently; the target's prefill also yields the first token."""
-        calls = [self._verify([], None)]
-        if self._request.num_speculative_tokens != 0 and self._config.concurrent_prefill:
-            calls.append(self._propose(0))
-        results = await asyncio.gather(*calls)
-        verified, _ = results[0]
-        draft_s = results[1][0].compute_s if len(results) > 1 else 0.0
-        self._recorder.prefill(draft_s, verified.compute_s)
+        """Builds both caches concurrently; the target's prefill also yields the first token.
+
+        The draft's prefill runs beside it and is never waited for: the first token goes out
+        when the target has it, and rounds run at k = 0 until the draft's cache is built (or
+        its prefill failed, see DraftAvailability).
+        """
+        if (
+            self._request.num_speculative_tokens != 0
+            and self._config.concurrent_prefill
+            and self._draft.available()
+        ):
+            self._draft_prefill = asyncio.ensure_future(self._propose(0))
+        verified, _ = await self._verify([], None)
+        self._recorder.prefill(verified.compute_s)
         return self._commit(verified)
+
+    async def _draft_prefilled(self) -> bool:
+        """Whether the draft's prefill (if one was started) has ended; lets it run one step
+        first, so an in-process draft (which never yields) always has."""
+        task = self._draft_prefill
+        if task is None:
+            return True
+        if not task.done():
+            await asyncio.wait([task], timeout=0)
+            if not task.done():
+                return False
+        self._draft_prefill = None
+        response, _ = task.result()
+        if response is not None:
+            self._recorder.draft_prefill(response.compute_s)
+        return True
 
     async def _round(self) -> Delta:
         plan = self._controller.choose(self._checker.remaining - 1)
+        if plan.k > 0 and not await self._draft_prefilled():
+            plan = plan._replace(k=0)
         start = time.perf_counter()
-        proposal, draft_rebuilt, q = worker_pb2.ProposeResponse(), False, None
-        if plan.k > 0:
+        proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
+        without_draft = plan.k > 0 and not self._draft.available()
+        if plan.k > 0 and not without_draft:
             proposal, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
-            q = proposal.q if proposal.HasField("q") else None
+            without_draft = proposal is None
+            proposal = proposal or worker_pb2.ProposeResponse()
+        q = proposal.q if proposal.HasField("q") else None
         drafts = list(proposal.token_ids)
         verified, target_rebuilt = await self._verify(drafts, q)
         timing = RoundTiming(
@@ -136,7 +172,14 @@ class RoundLoop:
         )
         drafted, accepted = len(drafts), verified.num_accepted
         self._controller.observe(drafted, accepted, timing)
-        self._recorder.round(drafted, accepted, timing.draft_s, timing.verify_s, timing.overhead_s)
+        self._recorder.round(
+            drafted,
+            accepted,
+            timing.draft_s,
+            timing.verify_s,
+            timing.overhead_s,
+            without_draft=without_draft,
+        )
         return self._commit(verified)
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
@@ -146,14 +189,23 @@ class RoundLoop:
 
     async def _propose(
         self, k: int, min_confidence: float = 0.0
-    ) -> tuple[worker_pb2.ProposeResponse, bool]:
+    ) -> tuple[worker_pb2.ProposeResponse | None, bool]:
+        """(response, rebuilt), or (None, False) when the draft side failed: the draft is an
+        optimisation, so any error of its call only takes this round (and, through the shared
+        DraftAvailability, the next ones) to k = 0."""
         request = worker_pb2.ProposeRequest(
             num_speculative_tokens=k,
             sampling=self._sampling,
             draft_top_n=self._config.draft_top_n,
             min_draft_confidence=min_confidence,
         )
-        return await self._call("draft", self._transport.propose, request)
+        try:
+            response = await self._call("draft", self._transport.propose, request)
+        except Exception as err:  # noqa: BLE001 - every draft failure degrades, none fails
+            self._draft.failed(err)
+            return None, False
+        self._draft.succeeded()
+        return response
 
     async def _verify(
         self, drafts: list[int], q: worker_pb2.SparseDistribution | None
@@ -171,23 +223,25 @@ class RoundLoop:
         response's compute_s includes the rebuild (not a steady-state cost).
         """
         known = self._known[side]
-        self._set_session(request, known)
+        sent = self._set_session(request, known)
         response = await method(request)
         rebuilt = bool(response.cache_miss and known)
         if rebuilt:
-            self._set_session(request, 0)
+            sent = self._set_session(request, 0)
             response = await method(request)
         if response.cache_miss:
             raise RuntimeError(
                 f"{side} replica refused a full-sequence call for session "
                 f"{self._request.session_id}"
             )
-        self._known[side] = len(self._ids)
+        # What the call carried, not len(self._ids): the draft's prefill runs while rounds
+        # commit tokens.
+        self._known[side] = sent
         return response, rebuilt
 
-    def _set_session(self, request, prefix_len: int) -> None:
+    def _set_session(self, request, prefix_len: int) -> int:
         """Writes the call's SessionTokens; prompt_len lets a target replica that rebuilds replay
-        the prompt's prefill as the one forward it was."""
+        the prompt's prefill as the one forward it was. Returns the committed length sent."""
         request.session.CopyFrom(
             worker_pb2.SessionTokens(
                 session_id=self._request.session_id,
@@ -196,6 +250,7 @@ class RoundLoop:
                 prompt_len=len(self._request.prompt_ids),
             )
         )
+        return len(self._ids)
 
     def _finish(self) -> None:
         checker = self._checker

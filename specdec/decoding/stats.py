@@ -55,6 +55,9 @@ class SpeculationStats:
         wall_time_s: seconds from the request's start to its end.
         requests: requests counted (1 for one request's stats, 0 for an empty sum); each had
             exactly one prefill round among ``rounds``.
+        rounds_without_draft: decode rounds that would have drafted but ran at k = 0 because
+            the draft side was unavailable or failed (specdec.decoding.degrade); the output is
+            still exact, only slower.
     """
 
     rounds: int = 0
@@ -71,6 +74,7 @@ class SpeculationStats:
     completion_tokens: int = 0
     wall_time_s: float = 0.0
     requests: int = 1
+    rounds_without_draft: int = 0
 
     # --- derived figures: the only definitions --------------------------------------------
 
@@ -222,23 +226,35 @@ class StatsRecorder:
             accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max
         )
 
-    def prefill(self, draft_s: float, verify_s: float) -> None:
-        """Records the prefill round: draft and target compute, seconds."""
+    def prefill(self, verify_s: float) -> None:
+        """Records the prefill round and its target compute, seconds."""
         s = self.stats
         s.rounds += 1
-        s.draft_time_s += draft_s
         s.verify_time_s += verify_s
-        s.prefill_draft_time_s = draft_s
         s.prefill_verify_time_s = verify_s
         s.ttft_s = time.perf_counter() - self.start
 
+    def draft_prefill(self, draft_s: float) -> None:
+        """Records the draft's prefill compute, seconds (it may end after the first rounds)."""
+        s = self.stats
+        s.draft_time_s += draft_s
+        s.prefill_draft_time_s = draft_s
+
     def round(
-        self, k: int, num_accepted: int, draft_s: float, verify_s: float, overhead_s: float
+        self,
+        k: int,
+        num_accepted: int,
+        draft_s: float,
+        verify_s: float,
+        overhead_s: float,
+        without_draft: bool = False,
     ) -> None:
         """Records one decode round: k tokens drafted, num_accepted of them accepted, and the
-        round's draft compute, target compute and time outside the models, seconds."""
+        round's draft compute, target compute and time outside the models, seconds;
+        ``without_draft`` when it ran at k = 0 only because the draft side was unavailable."""
         s = self.stats
         s.rounds += 1
+        s.rounds_without_draft += without_draft
         s.draft_tokens += k
         s.accepted_tokens += num_accepted
         for i in range(k):

@@ -20,8 +20,8 @@ class SessionModel:
 
     Args:
         loaded: the model and tokenizer.
-        config: its models.cache_capacity_bytes bounds the session LRU, in bytes of key and
-            value tensors.
+        config: its models.cache_capacity_bytes bounds the session LRU, in bytes of the storage
+            its key and value tensors hold (specdec.models.kv_cache.cache_nbytes).
         calibration: what the replica measured on its device at start-up
             (specdec.models.calibration), kept for reporting; None when not measured.
     """

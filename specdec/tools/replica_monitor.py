@@ -142,6 +142,9 @@ def _poll(ray_address: str, application: str, interval_s: float) -> None:
     try:
         import ray
 
+        from specdec.cluster.processes import prepare_driver
+
+        prepare_driver()  # a local cluster's auth mode and loopback address
         ray.init(
             address=ray_address, logging_level="ERROR", log_to_driver=False, configure_logging=False
         )

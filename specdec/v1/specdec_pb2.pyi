@@ -49,7 +49,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s", "rounds_without_draft")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SpeculationStats(_message.Message):
     DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -84,7 +85,8 @@ class SpeculationStats(_message.Message):
     drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
     completion_tokens: int
     wall_time_s: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ...) -> None: ...
+    rounds_without_draft: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "stats")

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from local_service import LOCAL_CONFIG, free_port, serving
 
+from specdec import SamplingParams
+
 
 def write_config(
     tmp: Path, draft: Path, target: Path, autoscaling: dict[str, dict] | None = None
@@ -34,6 +36,8 @@ def write_config(
         dtype="float32",
         call_timeout_s=5,
         unavailable_after_s=8,
+        draft_timeout_s=3,
+        draft_retry_s=0.5,
         cache_capacity_bytes=64 * 1024**2,
     )
     for deployment in app["deployments"]:
@@ -53,6 +57,13 @@ def tiny_service(tiny_pair):
     tiny pair served on a fresh local cluster of its own (see write_config, serving)."""
     pytest.importorskip("ray")
     return lambda tmp, autoscaling=None: serving(tmp, *write_config(tmp, *tiny_pair, autoscaling))
+
+
+@pytest.fixture(scope="session")
+def reference(engine):
+    """reference(prompt, n): the in-process engine's target-only greedy token ids, what every
+    greedy output over the service must equal."""
+    return lambda prompt, n: engine.generate(prompt, SamplingParams(max_new_tokens=n), 0).token_ids
 
 
 @pytest.fixture(scope="session")

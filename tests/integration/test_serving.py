@@ -17,7 +17,6 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import LOCAL_CONFIG
 
-from specdec import SamplingParams, SpeculativeEngine
 from specdec.client import build_request
 from specdec.pairs.tiny import PROMPTS
 from specdec.v1 import worker_pb2
@@ -29,14 +28,6 @@ APP = "specdec"
 @pytest.fixture(scope="module")
 def client(served):
     return served[0]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_pair):
-    """The in-process engine, target only: what greedy output must equal."""
-    draft, target = tiny_pair
-    engine = SpeculativeEngine.from_pretrained(draft, target)
-    return lambda prompt, n: engine.generate(prompt, SamplingParams(max_new_tokens=n), 0).token_ids
 
 
 def _replicas(deployment):

@@ -101,7 +101,10 @@ def test_rounds_that_resent_the_sequence_are_flagged_as_rebuilds(recorded):
 def test_the_draft_reports_its_catchup_apart_from_its_steps(recorded):
     transport, costs, prompt_len = recorded
     prefill = transport.calls["draft"][0]
-    assert prefill["response"].catchup_tokens == prompt_len  # k = 0: all catch-up
+    # k = 0: all catch-up, of the whole sequence the call carried (the prompt, and the first
+    # token when the target's prefill committed it before the draft's call started).
+    assert prefill["prefix_len"] == 0 and prefill["new_tokens"] >= prompt_len
+    assert prefill["response"].catchup_tokens == prefill["new_tokens"]
     assert prefill["response"].catchup_s == prefill["response"].compute_s
     rebuilt = transport.calls["draft"][DRAFT_MISS_CALL]  # the resend after the miss
     assert rebuilt["prefix_len"] == 0

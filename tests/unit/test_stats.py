@@ -118,13 +118,19 @@ def test_proto_round_trip_keeps_counters_and_sends_figures():
 
 def test_recorder_counts_rounds_and_leaves_figures_to_the_stats():
     recorder = StatsRecorder(k_max=3)
-    recorder.prefill(draft_s=0.0, verify_s=0.5)
+    recorder.prefill(verify_s=0.5)
     recorder.round(k=3, num_accepted=2, draft_s=0.3, verify_s=0.2, overhead_s=0.1)
+    recorder.draft_prefill(draft_s=0.4)  # a draft prefill may end after the first round
     recorder.round(k=1, num_accepted=1, draft_s=0.1, verify_s=0.2, overhead_s=0.1)
-    s = recorder.finish(completion_tokens=6)
-    assert (s.rounds, s.decode_rounds, s.draft_tokens, s.accepted_tokens) == (3, 2, 4, 3)
+    recorder.round(
+        k=0, num_accepted=0, draft_s=0.0, verify_s=0.2, overhead_s=0.1, without_draft=True
+    )
+    s = recorder.finish(completion_tokens=7)
+    assert (s.rounds, s.decode_rounds, s.draft_tokens, s.accepted_tokens) == (4, 3, 4, 3)
+    assert s.rounds_without_draft == 1
+    assert s.draft_s_per_round == pytest.approx(0.4 / 3)  # the draft prefill is kept apart
     assert s.drafted_per_position == [2, 1, 1] and s.accepted_per_position == [2, 1, 0]
-    assert s.mean_accepted_tokens == pytest.approx((3 + 2) / 2)
-    assert s.mean_k == pytest.approx(2.0)
+    assert s.mean_accepted_tokens == pytest.approx((3 + 3) / 3)
+    assert s.mean_k == pytest.approx(4 / 3)
     assert s.verify_s_per_round == pytest.approx(0.2)
-    assert s.completion_tokens == 6 and s.wall_time_s >= s.ttft_s > 0
+    assert s.completion_tokens == 7 and s.wall_time_s >= s.ttft_s > 0

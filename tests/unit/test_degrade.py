@@ -1,0 +1,180 @@
+"""Degrade, never fail: a failing draft side costs speed, never answers (issue 13, item 1).
+
+The breaker (specdec.decoding.degrade.DraftAvailability) on a fake clock, then whole requests on
+the tiny in-process pair whose draft fails on chosen calls: the output equals the target alone,
+the stats count the rounds that ran without the draft, and speculation resumes after the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.request import encode_prompt, prepare_request
+from specdec.decoding.round_loop import RoundLoop
+from specdec.pairs.tiny import PROMPTS
+
+K = 3
+NEW_TOKENS = 40
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _DraftDown(RuntimeError):
+    pass
+
+
+def test_breaker_backs_off_while_checks_fail_and_resets_on_success():
+    clock, changes = _Clock(), []
+    breaker = DraftAvailability(1.0, on_change=changes.append, max_retry_s=4.0, clock=clock)
+    assert breaker.available()
+    breaker.failed(_DraftDown("node died"))
+    breaker.failed(_DraftDown("same incident"))  # calls in flight: no second back-off
+    assert changes == [False] and breaker.retry_delay_s == 1.0
+    assert not breaker.available()
+    clock.now += 1.0
+    assert breaker.available()  # without a probe, the next propose is the check
+    assert changes == [False, True]
+    for expected in (2.0, 4.0, 4.0):  # each check that fails doubles the wait, up to 4 s
+        breaker.failed(_DraftDown("still down"))
+        assert breaker.retry_delay_s == expected and breaker.down
+        clock.now += expected - 0.01
+        assert not breaker.available()
+        clock.now += 0.01
+        assert breaker.available()
+    breaker.succeeded()
+    breaker.failed(_DraftDown("a new incident"))
+    assert breaker.retry_delay_s == 1.0
+
+
+def test_breaker_checks_with_its_probe_in_the_background():
+    clock, answers = _Clock(), []
+
+    async def probe() -> None:
+        if not answers.pop(0):
+            raise _DraftDown("no draft replica")
+
+    async def run() -> list[bool]:
+        breaker = DraftAvailability(1.0, probe=probe, clock=clock)
+        breaker.failed(_DraftDown("node died"))
+        seen = []
+        answers.extend([False, True])
+        for step_s in (1.0, 0.0, 1.0, 1.0, 0.0):
+            clock.now += step_s
+            seen.append(breaker.available())  # a due check starts the probe, answers False
+            await asyncio.sleep(0)  # the probe runs
+            await asyncio.sleep(0)
+        return seen
+
+    # Checks at t+1 (fails: the wait doubles to 2 s) and t+3 (answers); the draft is then back.
+    assert asyncio.run(run()) == [False, False, False, False, True]
+    assert answers == []
+
+
+class _FlakyDraft:
+    """The engine's transport whose draft raises on the calls ``fail`` selects (by call number,
+    0 = the draft's prefill)."""
+
+    def __init__(self, inner, fail) -> None:
+        self.inner = inner
+        self.fail = fail
+        self.draft_calls = 0
+
+    async def propose(self, request):
+        call = self.draft_calls
+        self.draft_calls += 1
+        if self.fail(call):
+            raise _DraftDown(f"draft call {call} failed")
+        return await self.inner.propose(request)
+
+    async def verify(self, request):
+        return await self.inner.verify(request)
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+
+def _run(engine, transport, prompt, k, breaker):
+    request = prepare_request(
+        encode_prompt(engine.tokenizer, prompt),
+        SamplingParams(max_new_tokens=NEW_TOKENS),
+        engine.limits,
+        k,
+    )
+    loop = RoundLoop(
+        transport, engine.tokenizer, request, engine.costs, engine.config.speculation, breaker
+    )
+
+    async def collect():
+        async with contextlib.aclosing(loop.run()) as deltas:
+            async for _ in deltas:
+                pass
+        return loop.completion
+
+    return asyncio.run(collect())
+
+
+@pytest.fixture(scope="module")
+def target_alone(engine):
+    return {p: engine.generate(p, SamplingParams(max_new_tokens=NEW_TOKENS), 0) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [K, "auto"])
+@pytest.mark.parametrize(
+    "failing",
+    [
+        pytest.param(lambda call: True, id="draft-never-answers"),
+        pytest.param(lambda call: call == 0, id="prefill-fails"),
+        pytest.param(lambda call: call in (2, 3), id="rounds-2-3-fail"),
+    ],
+)
+def test_a_failing_draft_gives_the_target_alone_output(engine, target_alone, failing, k):
+    # A long retry: once down, the draft stays down for the rest of the request.
+    for prompt in PROMPTS[:3]:
+        transport = _FlakyDraft(engine.transport, failing)
+        breaker = DraftAvailability(retry_s=3600.0)
+        completion = _run(engine, transport, prompt, k, breaker)
+        alone = target_alone[prompt]
+        assert completion.token_ids == alone.token_ids
+        assert completion.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        stats = completion.stats
+        assert breaker.down and breaker.failures == 1
+        if failing(0):  # the draft never prefilled: nothing was ever drafted
+            assert stats.draft_tokens == 0
+        assert stats.rounds_without_draft > 0
+        assert stats.rounds_without_draft + stats.drafting_rounds <= stats.decode_rounds
+
+
+def test_speculation_resumes_once_the_draft_answers_again(engine, target_alone):
+    prompt = PROMPTS[0]
+    transport = _FlakyDraft(engine.transport, lambda call: call == 1)
+    clock = _Clock()
+    breaker = DraftAvailability(retry_s=1.0, clock=clock)
+    first = _run(engine, transport, prompt, K, breaker)
+    assert first.token_ids == target_alone[prompt].token_ids
+    assert breaker.down and first.stats.rounds_without_draft > 0
+    clock.now += 1.0
+    again = _run(engine, transport, prompt, K, breaker)
+    assert again.token_ids == target_alone[prompt].token_ids
+    assert not breaker.down
+    assert again.stats.rounds_without_draft == 0 and again.stats.draft_tokens > 0
+
+
+def test_a_target_only_request_never_calls_the_draft(engine, target_alone):
+    prompt = PROMPTS[1]
+    transport = _FlakyDraft(engine.transport, lambda call: True)
+    breaker = DraftAvailability()
+    completion = _run(engine, transport, prompt, 0, breaker)
+    assert completion.token_ids == target_alone[prompt].token_ids
+    assert transport.draft_calls == 0 and not breaker.down
+    assert completion.stats.rounds_without_draft == 0
