@@ -17,12 +17,17 @@ from specdec import SamplingParams
 
 
 def write_config(
-    tmp: Path, draft: Path, target: Path, autoscaling: dict[str, dict] | None = None
+    tmp: Path,
+    draft: Path,
+    target: Path,
+    autoscaling: dict[str, dict] | None = None,
+    **args: object,
 ) -> tuple[Path, int]:
     """The shipped local config with the tiny pair, free ports and short timeouts.
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes).
+    ``args`` replace the application's settings (e.g. dtype="bfloat16").
     """
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     port = free_port()
@@ -40,6 +45,7 @@ def write_config(
         draft_retry_s=0.5,
         cache_capacity_bytes=64 * 1024**2,
     )
+    app["args"].update(args)
     for deployment in app["deployments"]:
         if autoscaling is None:
             deployment.pop("autoscaling_config")
@@ -53,10 +59,15 @@ def write_config(
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_pair):
-    """A factory: ``with tiny_service(tmp, autoscaling=None) as (client, info, address):`` the
-    tiny pair served on a fresh local cluster of its own (see write_config, serving)."""
+    """A factory: ``with tiny_service(tmp, autoscaling=None, **args) as (client, info,
+    address):`` the tiny pair served on a fresh local cluster of its own (see write_config,
+    serving)."""
     pytest.importorskip("ray")
-    return lambda tmp, autoscaling=None: serving(tmp, *write_config(tmp, *tiny_pair, autoscaling))
+
+    def start(tmp, autoscaling=None, **args):
+        return serving(tmp, *write_config(tmp, *tiny_pair, autoscaling, **args))
+
+    return start
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +82,11 @@ def served(tmp_path_factory, tiny_service):
     """(client, ClusterInfo): the tiny pair deployed on a fresh local cluster."""
     with tiny_service(tmp_path_factory.mktemp("cluster")) as (client, info, _):
         yield client, info
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start clusters of their own run before those on the shared ``served`` one: a
+    process is the Ray driver of one cluster at a time, and ``served`` stays connected from
+    its first use to the end of the session. The sort is stable, so the order within each
+    group stays the files' order (test_serving's last test removes the target pool)."""
+    items.sort(key=lambda item: "served" in getattr(item, "fixturenames", ()))

@@ -1,0 +1,75 @@
+"""Bitwise exact after a replica loss in half precision (issue 11, item 2): the tiny pair served
+in bfloat16; a target replica holding sessions is killed mid-request, the sessions are rebuilt
+on the other replica (its own start-up calibration) and continue with the same token ids and
+logprobs as the undisturbed run, which equals the target alone in process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from array import array
+
+import pytest
+from test_serving import _cache_stats_per_replica, _kill, _replicas, _wait_until
+
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.client import build_request
+from specdec.pairs.tiny import PROMPTS
+
+pytestmark = pytest.mark.integration
+DTYPE = "bfloat16"
+NEW_TOKENS = 160
+CASES = [(prompt, k) for prompt, k in zip(PROMPTS[:6], [3, None, 3, None, 1, 3])]
+
+
+@pytest.fixture(scope="module")
+def half_service(tmp_path_factory, tiny_service):
+    with tiny_service(tmp_path_factory.mktemp("bf16"), dtype=DTYPE) as (client, _, _):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def target_alone(tiny_pair):
+    engine = SpeculativeEngine.from_pretrained(*tiny_pair, dtype=DTYPE)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    return {p: engine.generate(p, params, 0) for p, _ in CASES}
+
+
+def _request(prompt, k):
+    return build_request(prompt, max_new_tokens=NEW_TOKENS, num_speculative_tokens=k, logprobs=True)
+
+
+def _f32(values):
+    """The wire's float32 values (a logprob crosses gRPC as a float)."""
+    return array("f", values)
+
+
+def test_killed_half_precision_target_replica_continues_bitwise(half_service, target_alone):
+    client = half_service
+    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=90)
+    undisturbed = {}
+    for prompt, k in CASES:
+        response = client.generate(_request(prompt, k))
+        alone = target_alone[prompt]
+        assert list(response.token_ids) == alone.token_ids
+        assert _f32(response.logprobs) == _f32(alone.logprobs)
+        undisturbed[prompt] = (list(response.token_ids), _f32(response.logprobs))
+
+    streams = [client.generate_stream(_request(prompt, k)) for prompt, k in CASES]
+    firsts = [next(s) for s in streams]  # every session now holds a cache on some replica
+    busy = {rid for rid, (_, s) in _cache_stats_per_replica("TargetModel").items() if s.sessions}
+    _kill(next(r for r in _replicas("TargetModel") if r.replica_id in busy))
+
+    def rest(stream, first):
+        tokens, logprobs = list(first.token_ids), list(first.logprobs)
+        for message in stream:
+            tokens += message.token_ids
+            logprobs += message.logprobs
+        return tokens, _f32(logprobs)
+
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        disturbed = list(pool.map(rest, streams, firsts))
+    for (prompt, _), (tokens, logprobs) in zip(CASES, disturbed):
+        assert tokens == undisturbed[prompt][0]
+        assert logprobs == undisturbed[prompt][1]
+    survivors = _cache_stats_per_replica("TargetModel")
+    assert sum(s.rebuilds for _, s in survivors.values()) >= 1
