@@ -30,8 +30,9 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The soak (minutes, a cluster of its own) runs apart: pytest -m soak, or `specdec soak`.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not soak"
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

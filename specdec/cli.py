@@ -1,5 +1,5 @@
-"""The `specdec` command line: cluster, serve, generate, loadtest, bench, demo, tiny-models,
-tiny-bench, k8s.
+"""The `specdec` command line: cluster, serve, generate, loadtest, soak, bench, demo,
+tiny-models, tiny-bench, k8s.
 
 Ray, torch and transformers are imported only by the subcommands that need them, so
 `specdec generate` starts in a fraction of a second.
@@ -22,6 +22,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("specdec.tools.generate", "call the gRPC endpoint"),
     "tiny-models": ("specdec.tools.tiny_models", "write a tiny random draft/target pair"),
     "loadtest": ("specdec.tools.loadtest", "staged gRPC load with per-second records"),
+    "soak": (
+        "specdec.tools.soak",
+        "minutes of greedy load on the tiny pair on a cluster of its own, with scaling, "
+        "a killed target replica and a killed draft node: counts, exactness, memory",
+    ),
     "bench": (
         "specdec.tools.bench",
         "speculative vs target-only through the service, "

@@ -68,8 +68,9 @@ class ModelConfig(_Section):
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
     `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
     replica measures its forward cost by width in every candidate dtype at start-up (float32
-    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8) and runs in
-    the fastest one whose target output stays exact (specdec.models.calibration; GetModelInfo
+    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target
+    also float32 with weight-major GEMMs, reported as `float32+wm`) and runs in the fastest
+    one whose target output stays exact (specdec.models.calibration; GetModelInfo
     reports what it measured). A bundled model is stored once in bfloat16 (float16 has its
     own conversion) and loaded from there in any dtype."""
 

@@ -41,6 +41,7 @@ from specdec.models.fixed_shape import (
     use_row_wise_attention,
     whole_forward_exact,
 )
+from specdec.models.gemm import WEIGHT_MAJOR, set_weight_major, split_candidate
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,9 @@ CACHE_TOKENS = 64  # cache length the cost forwards extend (attention is a small
 PREFILL_TOKENS = 32  # prompt length of the measured prefill
 TYPICAL_PROMPT_TOKENS = 128  # the request predicted_request_seconds prices
 TYPICAL_NEW_TOKENS = 128
-TYPICAL_ACCEPTANCE = 0.7  # per-token acceptance the dtype choice assumes for the target
-CLASS_ACCEPTANCES = (0.0, 0.5, 0.7, 0.9)  # the acceptances a width class is priced at
+# The acceptances a target candidate (its dtype, GEMM and width class) is priced at: it must
+# serve plain decoding (acceptance 0, when speculation does not pay) as well as long drafts.
+CLASS_ACCEPTANCES = (0.0, 0.5, 0.7, 0.9)
 DRAFT_WIDTHS = 3  # a draft forward is one row (a draft step) or two or three (catch-up)
 EXTRA_WIDTHS = 4  # widths measured past k_max + 1: a wider forward may cost less
 SLOWER_CUTOFF = 1.5  # a candidate this much slower at 1 and at max_width rows is not finished
@@ -149,9 +151,12 @@ class Calibration:
 
 def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
     """The dtypes ``auto`` tries: float32 and bfloat16 (a CPU), bfloat16 and float16 (a GPU);
-    a CPU draft also int8 (its output never depends on the draft's numerics)."""
+    a CPU target also float32 with weight-major GEMMs ("float32+wm", specdec.models.gemm: its
+    verify widths cost less on some CPUs), a CPU draft also int8 (its output never depends on
+    the draft's numerics)."""
     if torch.device(device).type == "cpu":
-        return ["float32", "bfloat16"] + ([INT8] if role == "draft" else [])
+        extra = [INT8] if role == "draft" else ["float32" + WEIGHT_MAJOR]
+        return ["float32", *extra, "bfloat16"]
     return ["bfloat16", "float16"]
 
 
@@ -172,7 +177,9 @@ def load_calibrated(
     """
     automatic = dtype == AUTO
     dtypes = candidate_dtypes(role, device) if automatic else [dtype]
-    loaded = load_model(spec, dtype="float32" if automatic else dtype, device=device)
+    loaded = load_model(
+        spec, dtype="float32" if automatic else split_candidate(dtype)[0], device=device
+    )
     with _one_at_a_time(device):
         return calibrate(
             loaded,
@@ -235,7 +242,9 @@ def calibrate(
     max_width = max_speculative_tokens + 1 + EXTRA_WIDTHS if target else DRAFT_WIDTHS
     results: list[tuple[DtypeMeasurement, torch.nn.Module]] = []
     for dtype in dtypes:
-        model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, dtype)
+        base, weight_major = split_candidate(dtype)
+        model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
+        set_weight_major(model, weight_major)  # float32 and float32+wm share one model
         if target:
             use_row_wise_attention(model)
         usable = [r for r, _ in results if r.exact is not None or not target]
@@ -258,6 +267,7 @@ def calibrate(
         results.append((measured, model))
     usable = [r for r in results if r[0].exact is not None or not target] or results
     chosen, model = min(usable, key=lambda r: r[0].predicted_s)
+    set_weight_major(model, split_candidate(chosen.dtype)[1])
     calibration = Calibration(
         device=describe_device(loaded.device),
         dtype=chosen.dtype,
@@ -280,11 +290,14 @@ def predicted_request_seconds(
     measured: DtypeMeasurement, max_speculative_tokens: int, target: bool
 ) -> float:
     """Seconds a typical request would take in this dtype: a TYPICAL_PROMPT_TOKENS prefill and
-    TYPICAL_NEW_TOKENS tokens, decoded (target) at the best fixed k for an acceptance rate of
-    TYPICAL_ACCEPTANCE, each round's verify covered by exact widths, draft time excluded (it is
-    the same whatever the target's dtype); a draft decodes one row per token.
+    TYPICAL_NEW_TOKENS tokens, decoded (target) at _seconds_per_token (the best fixed k, each
+    round's verify covered by exact widths, averaged over CLASS_ACCEPTANCES), draft time
+    excluded (it is the same whatever the target's dtype); a draft decodes one row per token.
 
     This is the dtype choice's yardstick, not a forecast: the controller prices the real rounds.
+    Measured case: the bundled target's weight-major float32 (specdec.models.gemm) costs 0.41 s
+    at every width 2-17 on a 2-core AVX-512 Xeon, F.linear's 0.25 s at 2 rows and 0.89 s at 13;
+    at acceptance 0.7 alone the two tie, but weight-major would make plain decoding 1.6x slower.
     """
     prefill = measured.prefill_s_per_token * TYPICAL_PROMPT_TOKENS
     if not target:
@@ -292,11 +305,7 @@ def predicted_request_seconds(
     exact = measured.exact or ExactWidths(
         tuple(range(1, len(measured.forward_s) + 1)), measured.forward_s
     )
-    per_token = min(
-        exact.rows_seconds(k + 1) / expected_tokens(TYPICAL_ACCEPTANCE, k)
-        for k in range(max_speculative_tokens + 1)
-    )
-    return prefill + per_token * TYPICAL_NEW_TOKENS
+    return prefill + _seconds_per_token(exact, max_speculative_tokens) * TYPICAL_NEW_TOKENS
 
 
 def _cast(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
@@ -337,7 +346,7 @@ def _measure(
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed cannot win: skip its (long) exactness measurement.
     if target and (best is None or _optimistic_s(measured, max_width) < best.predicted_s):
-        half = dtype in ("bfloat16", "float16")
+        half = split_candidate(dtype)[0] in ("bfloat16", "float16")
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
         measured = dataclasses.replace(measured, exact=exact)
     return measured

@@ -63,7 +63,7 @@ def test_model_info_reports_the_pair_and_its_dtypes(real_service):
     target, draft = info.target_calibration, info.draft_calibration
     assert (target.dtype, draft.dtype) == (info.target_dtype, info.draft_dtype)
     assert target.automatic and draft.automatic and target.device.startswith("cpu: ")
-    assert {c.dtype for c in target.candidates} == {"float32", "bfloat16"}
+    assert {c.dtype for c in target.candidates} == {"float32", "float32+wm", "bfloat16"}
     assert {c.dtype for c in draft.candidates} == {"float32", "bfloat16", "int8"}
     k_max = info.max_speculative_tokens
     for candidate in target.candidates:

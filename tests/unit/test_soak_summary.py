@@ -1,0 +1,223 @@
+"""The soak's pure parts: its schedule, request mix and verdict, on made-up samples and
+outcomes (no cluster; tests/integration/test_soak.py runs the real thing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.tools import soak
+from specdec.tools.soak import DRAFT, MB, ROUTER, TARGET, Outcome, RequestSpec
+
+DURATION = 100.0  # faults at 30, 50, 60 s; default schedule: 6 clients from 15 s, 1 from 70 s
+
+
+def test_default_schedule_rises_before_the_faults_and_falls_after():
+    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
+    times = (0, 14.9, 15, 69.9, 70, 99.9, 100)
+    assert [schedule.concurrency(t) for t in times] == [1, 1, 6, 6, 1, 1, 0]
+    assert (schedule.peak, schedule.rise_s, schedule.fall_s) == (6, 15.0, 70.0)
+    assert schedule.describe() == soak.DEFAULT_SCHEDULE
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("6", "not CONCURRENCY@FRACTION"),
+        ("1@0.1,6@0.2,1@0.7", "first step must start at 0"),
+        ("1@0,6@0.5,6@0.4,1@0.7", "must increase"),
+        ("1@0,6@0.15,1@1", "must increase and stay below 1"),
+        ("0@0,6@0.15,1@0.7", "at least 1 client"),
+        ("1@0,6@0.35,1@0.7", "rise to its peak before 30%"),
+        ("6@0,1@0.7", "rise to its peak"),
+        ("1@0,6@0.15,1@0.55", "fall after the draft restart"),
+        ("1@0,6@0.15", "fall after"),
+    ],
+)
+def test_bad_schedule_is_refused_saying_why(text, message):
+    with pytest.raises(ValueError, match=message):
+        soak.parse_schedule(text, DURATION)
+
+
+def test_zero_duration_is_refused():
+    with pytest.raises(ValueError, match="duration"):
+        soak.parse_schedule(soak.DEFAULT_SCHEDULE, 0)
+
+
+def test_request_plan_covers_every_kind_once_in_a_fixed_order():
+    plan = soak.request_plan(8)
+    assert len(plan) == len(set(plan)) == 8 * len(soak.NEW_TOKENS) * len(soak.KS) * 2
+    assert plan == soak.request_plan(8) != soak.request_plan(8, seed=1)
+    first = plan[:32]  # the first minutes already mix every k and both modes
+    assert {s.k for s in first} == set(soak.KS) and {s.stream for s in first} == {False, True}
+
+
+def test_first_difference():
+    assert soak.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert soak.first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert soak.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+# ---------------------------------------------------------------------- a made-up run
+
+
+def _replica(deployment, rid, rss, born=-30.0, state="RUNNING"):
+    return dict(
+        deployment=deployment,
+        replica_id=rid,
+        pid=hash(rid) % 10000,
+        state=state,
+        born_s=born,
+        rss_bytes=rss if state == "RUNNING" else None,
+    )
+
+
+def _samples(target_growth=0):
+    """Target t1 all along (growing linearly by ``target_growth`` over 100 s); a second target
+    from 20 s (t2, killed at 30 s; t3 from 32 s) until the scale-down at 72 s; the draft node
+    dies at 50 s (d1 pending) and a new draft replica d2 runs from 64 s."""
+    out = []
+    for t in map(float, range(0, 101, 2)):
+        replicas = [
+            _replica(TARGET, "t1", 500 * MB + target_growth * t / 100),
+            _replica(ROUTER, "r1", 400 * MB),
+        ]
+        if 20 <= t < 30:
+            replicas.append(_replica(TARGET, "t2", 480 * MB, born=16.0))
+        elif 32 <= t < 72:
+            replicas.append(_replica(TARGET, "t3", 480 * MB, born=31.0))
+        if t < 50:
+            replicas.append(_replica(DRAFT, "d1", 300 * MB))
+        elif t < 64:
+            replicas.append(_replica(DRAFT, "d1", None, state="PENDING_ALLOCATION"))
+        else:
+            replicas.append(_replica(DRAFT, "d2", 300 * MB, born=62.0))
+        running = dict.fromkeys(soak.DEPLOYMENTS, 0)
+        for r in replicas:
+            running[r["deployment"]] += r["state"] == "RUNNING"
+        out.append({"t": t, "running": running, "replicas": replicas})
+    return out
+
+
+EVENTS = [
+    {"name": "kill_target_replica", "t": 30.0, "t_done": 30.1, "ok": True, "what": "t2"},
+    {"name": "kill_draft_node", "t": 50.0, "t_done": 50.2, "ok": True, "draft_replicas": ["d1"]},
+    {"name": "restart_draft_node", "t": 60.0, "t_done": 63.0, "ok": True},
+]
+
+
+def _outcomes(**changes):
+    base = [
+        Outcome(i, RequestSpec(i % 8, 16, k, bool(i % 2)), float(i), float(i) + 0.5, tokens=16)
+        for i, k in enumerate([0, 1, 3, None] * 25)
+    ]
+    base[52].rounds_without_draft = 4  # ran during the draft's absence
+    base[70].draft_tokens = 12  # drafting again after the restart
+    for index, fields in changes.items():
+        for name, value in fields.items():
+            setattr(base[int(index)], name, value)
+    return base
+
+
+def _analyse(outcomes=None, samples=None, events=EVENTS):
+    return soak.analyse(
+        _outcomes() if outcomes is None else outcomes,
+        _samples() if samples is None else samples,
+        events,
+        soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION),
+        warmup_s=20.0,
+        min_span_s=10.0,
+        max_growth_bytes=50 * MB,
+    )
+
+
+def test_a_clean_run_passes_every_check():
+    report = _analyse()
+    assert report["passed"], report["checks"]
+    scaling = report["scaling"]
+    assert scaling[TARGET]["scaled_up_at"] == 20.0  # not the return after the kill at 32 s
+    assert scaling[TARGET]["scaled_down_at"] == 72.0
+    assert (scaling[TARGET]["min"], scaling[TARGET]["max"]) == (1, 2)
+    assert (scaling[DRAFT]["min"], scaling[DRAFT]["scaled_up_at"]) == (0, None)
+    assert report["draft_recovery"] == {"replica_back_at": 64.0, "speculating_again_at": 70.0}
+    requests = report["requests"]
+    assert requests["sent"] == requests["ok"] == 100 and requests["failed"] == 0
+    assert requests["by_k"] == {"k=0": 25, "k=1": 25, "k=3": 25, "k=auto": 25}
+    assert requests["by_mode"] == {"unary": 50, "stream": 50}
+    memory = {r["replica_id"]: r for r in report["memory"]}
+    # t1 was born before the load: its baseline is at the warm-up; t3 (born at 31 s) 20 s
+    # after its birth; t2 died before its warm-up ended, so it is reported but not judged.
+    assert memory["t1"]["baseline"][0] == 20.0 and memory["t1"]["end"][0] == 100.0
+    assert memory["t3"]["baseline"][0] == 52.0 and memory["t3"]["judged"]
+    assert memory["t2"]["baseline"] is None and not memory["t2"]["judged"]
+    assert memory["d2"]["baseline"][0] == 82.0 and memory["d2"]["judged"]
+    assert all(r["ok"] for r in report["memory"])
+    summary = soak.format_summary({**report, "config": _config()})
+    assert "verdict: PASS" in summary and "FAIL" not in summary
+    assert "100 sent, 100 OK, 0 failed" in summary
+
+
+def _config():
+    return dict(dtype="float32", duration_s=DURATION, schedule="1@0", machine="cpu", date="d")
+
+
+def _failed(report):
+    return {name for name, c in report["checks"].items() if not c["ok"]}
+
+
+def test_a_failed_request_and_a_changed_output_fail_the_run():
+    outcomes = _outcomes(**{"3": dict(code="UNAVAILABLE"), "4": dict(mismatch_at=7)})
+    report = _analyse(outcomes)
+    assert _failed(report) == {"no failed requests", "greedy outputs equal the reference"}
+    assert report["requests"]["by_code"] == {"OK": 99, "UNAVAILABLE": 1}
+    assert [p["index"] for p in report["problems"]] == [3, 4]
+    assert "verdict: FAIL" in soak.format_summary({**report, "config": _config()})
+
+
+def test_memory_growth_past_the_limit_fails_and_before_the_warmup_does_not_count():
+    assert _failed(_analyse(samples=_samples(target_growth=49 * MB))) == set()
+    grown = _analyse(samples=_samples(target_growth=80 * MB))  # 64 MB from 20 s to 100 s
+    assert _failed(grown) == {"replica memory flat"}
+    row = next(r for r in grown["memory"] if r["replica_id"] == "t1")
+    assert row["growth_bytes"] == 64 * MB and not row["ok"]
+    early = _samples()  # a big step before the warm-up ends is start-up, not growth
+    for sample in early[:5]:
+        sample["replicas"][0]["rss_bytes"] -= 200 * MB  # t1
+    assert _failed(_analyse(samples=early)) == set()
+
+
+def test_no_scale_down_after_the_load_fell_fails():
+    samples = _samples()
+    for sample in samples:  # the target keeps 2 replicas to the end
+        if sample["t"] >= 72:
+            sample["running"][TARGET] = 2
+    assert _failed(_analyse(samples=samples)) == {"target scaled down"}
+
+
+def test_faults_that_did_not_happen_fail_their_checks():
+    events = [
+        {**EVENTS[0], "ok": False, "error": "RuntimeError: never 2 RUNNING"},
+        {**EVENTS[1], "ok": False, "error": "RuntimeError: survived"},
+    ]
+    report = _analyse(events=events)
+    assert _failed(report) == {
+        "target replica killed",
+        "draft node killed",
+        "draft node restarted",
+        "draft replica back",
+        "speculation resumed",
+    }
+    assert report["checks"]["draft node restarted"]["detail"] == "never ran"
+
+
+def test_a_draft_that_never_comes_back_or_never_drafts_again_fails():
+    samples = _samples()
+    for sample in samples:
+        if sample["t"] >= 64:  # only the old replica's name: nothing new ran
+            sample["replicas"] = [r for r in sample["replicas"] if r["deployment"] != DRAFT]
+    outcomes = _outcomes(**{"70": dict(draft_tokens=0)})
+    assert _failed(_analyse(outcomes, samples)) == {"draft replica back", "speculation resumed"}
+
+
+def test_nothing_degraded_means_the_draft_kill_was_not_felt():
+    outcomes = _outcomes(**{"52": dict(rounds_without_draft=0)})
+    assert _failed(_analyse(outcomes)) == {"ran without the draft"}
