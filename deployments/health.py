@@ -3,8 +3,8 @@
 The router is ready once a target replica has answered ``model_info``: a target replica is
 running and the router knows the limits it validates requests against. The draft is not needed
 for readiness: while no draft replica answers, the service is degraded (requests run on the
-target alone, specdec.decoding.degrade) but the router still serves. Nothing here imports Ray, so the
-decision is unit-tested with fake fetchers.
+target alone, specdec.decoding.degrade) but the router still serves. Nothing here imports Ray,
+so the decision is unit-tested with fake fetchers.
 """
 
 from __future__ import annotations
