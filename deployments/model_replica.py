@@ -53,6 +53,7 @@ class ModelReplica:
             self._dtype,
             device=device,
             max_speculative_tokens=config.speculation.max_speculative_tokens,
+            exact_widths=config.models.fixed_shape_verify is not False,
         ).result()
         self._dtype = self.calibration.dtype
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()

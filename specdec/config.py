@@ -30,7 +30,7 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+MODEL_DTYPES = ("auto", "float32", "float32+wm", "bfloat16", "float16", "int8")
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -66,10 +66,11 @@ class ModelConfig(_Section):
 
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
+    `float32+wm` (float32 with weight-major GEMMs for 2-64 rows, specdec.models.gemm),
     `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
     replica measures its forward cost by width in every candidate dtype at start-up (float32
     and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target
-    also float32 with weight-major GEMMs, reported as `float32+wm`) and runs in the fastest
+    also `float32+wm`) and runs in the fastest
     one whose target output stays exact (specdec.models.calibration; GetModelInfo
     reports what it measured). A bundled model is stored once in bfloat16 (float16 has its
     own conversion) and loaded from there in any dtype."""

@@ -132,6 +132,7 @@ class SpeculativeEngine:
                 dtype,
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
+                exact_widths=models.fixed_shape_verify is not False,
             )
         return cls(loaded["draft"], loaded["target"], config, calibrations=calibrations)
 

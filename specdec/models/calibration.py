@@ -167,10 +167,11 @@ def load_calibrated(
     *,
     device: str = "cpu",
     max_speculative_tokens: int,
+    exact_widths: bool = True,
 ) -> tuple[LoadedModel, Calibration]:
     """Loads a model (specdec.models.loading.load_model) and calibrates it: in ``dtype``, or,
     for ``dtype="auto"``, in the fastest of candidate_dtypes(role, device) (loaded in float32,
-    each candidate a cast of it).
+    each candidate a cast of it). ``exact_widths`` as for calibrate.
 
     Raises:
         ModelLoadError: as load_model.
@@ -187,6 +188,7 @@ def load_calibrated(
             dtypes,
             max_speculative_tokens=max_speculative_tokens,
             automatic=automatic,
+            exact_widths=exact_widths,
         )
 
 
@@ -219,6 +221,7 @@ def calibrate(
     *,
     max_speculative_tokens: int,
     automatic: bool,
+    exact_widths: bool = True,
 ) -> tuple[LoadedModel, Calibration]:
     """Measures ``loaded`` in each dtype and returns it in the fastest exact one.
 
@@ -230,6 +233,9 @@ def calibrate(
         dtypes: candidates, e.g. candidate_dtypes(role, device), or the one configured.
         max_speculative_tokens: k_max; target widths 1 .. k_max + 1 + EXTRA_WIDTHS are measured.
         automatic: whether the dtype was chosen (dtype: auto) rather than configured.
+        exact_widths: measure a target's exact widths (and switch it to row-wise attention);
+            False when the verifier will not pad (fixed_shape_verify: false): start-up is
+            shorter and every candidate counts.
     Returns:
         (the model in the chosen dtype, Calibration). The log says what was measured.
     Raises:
@@ -239,17 +245,18 @@ def calibrate(
         raise ValueError("calibrate needs at least one dtype")
     start = time.perf_counter()
     target = role == "target"
+    needs_exact = target and exact_widths
     max_width = max_speculative_tokens + 1 + EXTRA_WIDTHS if target else DRAFT_WIDTHS
     results: list[tuple[DtypeMeasurement, torch.nn.Module]] = []
     for dtype in dtypes:
         base, weight_major = split_candidate(dtype)
         model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
         set_weight_major(model, weight_major)  # float32 and float32+wm share one model
-        if target:
+        if needs_exact:
             use_row_wise_attention(model)
-        usable = [r for r, _ in results if r.exact is not None or not target]
+        usable = [r for r, _ in results if r.exact is not None or not needs_exact]
         best = min(usable, key=lambda r: r.predicted_s, default=None)
-        measured = _measure(model, loaded.vocab_size, dtype, target, max_width, best)
+        measured = _measure(model, loaded.vocab_size, dtype, needs_exact, max_width, best)
         measured = dataclasses.replace(
             measured,
             predicted_s=predicted_request_seconds(measured, max_speculative_tokens, target),
@@ -265,7 +272,7 @@ def calibrate(
             measured.predicted_s,
         )
         results.append((measured, model))
-    usable = [r for r in results if r[0].exact is not None or not target] or results
+    usable = [r for r in results if r[0].exact is not None or not needs_exact] or results
     chosen, model = min(usable, key=lambda r: r[0].predicted_s)
     set_weight_major(model, split_candidate(chosen.dtype)[1])
     calibration = Calibration(
@@ -324,7 +331,7 @@ def _measure(
     model: torch.nn.Module,
     vocab_size: int,
     dtype: str,
-    target: bool,
+    exact_widths: bool,
     max_width: int,
     best: DtypeMeasurement | None,
 ) -> DtypeMeasurement:
@@ -345,7 +352,7 @@ def _measure(
     measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed cannot win: skip its (long) exactness measurement.
-    if target and (best is None or _optimistic_s(measured, max_width) < best.predicted_s):
+    if exact_widths and (best is None or _optimistic_s(measured, max_width) < best.predicted_s):
         half = split_candidate(dtype)[0] in ("bfloat16", "float16")
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
         measured = dataclasses.replace(measured, exact=exact)

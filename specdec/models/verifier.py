@@ -46,6 +46,7 @@ class TargetVerifier(SessionModel):
                 [_dtype_name(loaded.model.dtype)],
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 automatic=False,
+                exact_widths=config.models.fixed_shape_verify is not False,
             )
         super().__init__(loaded, config, calibration)
         self.exact: ExactWidths | None = None

@@ -360,17 +360,15 @@ class EngineMode:
 
     def __init__(self, info, device: str, k: int | None) -> None:
         from specdec.engine import SpeculativeEngine
-        from specdec.models.loading import load_model_pair
 
-        draft, target = load_model_pair(
+        # The replicas' chosen dtypes (and GEMM), measured again here like a replica does.
+        self.engine = SpeculativeEngine.from_pretrained(
             info.draft_model,
             info.target_model,
             dtype=info.target_dtype,
             draft_dtype=info.draft_dtype,
             device=device,
-        )
-        self.engine = SpeculativeEngine(
-            draft, target, max_speculative_tokens=info.max_speculative_tokens
+            max_speculative_tokens=info.max_speculative_tokens,
         )
         self.k = "auto" if k is None else k
 

@@ -11,11 +11,17 @@ and autoscaling on every deployment with delays of seconds, and then runs the lo
   tokens, k 0, 1, 3 or adaptive, unary or streaming (a fixed shuffled cycle);
 - the number of busy clients follows ``--schedule`` (default ``1@0,6@0.15,1@0.7``: 1 client,
   6 from 15 % of the run, 1 again from 70 %), so the target scales 1 -> 2 -> 1;
-- at 30 % the newest TargetModel replica is killed (``ray.kill``, once the target has two), at
-  50 % the draft pool's node is SIGKILLed and at 60 % started again
-  (specdec.cluster.faults);
+- at 30 % the newest TargetModel replica is killed (``ray.kill``), at 50 % the draft pool's
+  node is SIGKILLed and at 60 % started again (specdec.cluster.faults);
 - a monitor thread samples Serve's replica details every ``--interval`` seconds: RUNNING
   replicas per deployment and each replica process's resident memory (``/proc/PID/statm``).
+
+The schedule's clock stops at a few gates until what comes next can mean something: before the
+target kill until the target has two RUNNING replicas (with one, its requests would wait for a
+new one), before the load falls until a new draft replica runs and a request drafted again, and
+at the end until the target scaled back down. A replica starts in seconds on an idle machine and
+in a minute on a busy one, so a short soak waits instead of failing by the clock; each gate
+holds at most ``--max-hold`` seconds and the summary shows every hold.
 
 It prints the counts and the checks, writes them as JSON (``--out``) and stops exactly the
 cluster it started. Exit status 1 when any request failed, any greedy output differed from the
@@ -34,6 +40,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -161,6 +168,74 @@ def parse_schedule(text: str, duration_s: float) -> Schedule:
     return Schedule(duration_s, tuple(steps))
 
 
+# Gates of the schedule's clock: (fraction of the duration; the load's last step for FALL),
+# in order. Names are what must be true to go on.
+TARGET_HAS_TWO = "target has 2 RUNNING replicas"
+TARGET_KILLED = "target replica kill done"
+DRAFT_KILLED = "draft node kill done"
+DRAFT_BACK = "draft back and drafting"
+SCALED_DOWN = "target scaled down"
+
+
+def gates(schedule: Schedule) -> list[tuple[float, str]]:
+    """[(schedule time s, gate name)] of a soak, in order (see the module docstring)."""
+    return [
+        (schedule.at(KILL_TARGET_AT), TARGET_HAS_TWO),
+        (schedule.at(KILL_DRAFT_AT), TARGET_KILLED),
+        (schedule.at(RESTART_DRAFT_AT), DRAFT_KILLED),
+        (schedule.fall_s, DRAFT_BACK),
+        (schedule.duration_s, SCALED_DOWN),
+    ]
+
+
+@dataclasses.dataclass
+class Gate:
+    """A point of the schedule (``at``, s) where its clock holds until ``name`` is true.
+    ``passed_s``: when it opened (load time); ``held_s``: how long it held; ``timed_out``:
+    it opened after max_hold_s without being true."""
+
+    at: float
+    name: str
+    passed_s: float | None = None
+    held_s: float = 0.0
+    timed_out: bool = False
+
+
+class Timeline:
+    """The schedule's clock: follows the load's clock, but holds at each gate until
+    ``ready(name)`` says so, or for at most ``max_hold_s`` seconds per gate.
+
+    ``tick(t, ready)`` -> the schedule time at load time ``t`` (called often, t increasing).
+    """
+
+    def __init__(self, gate_list: Iterable[tuple[float, str]], max_hold_s: float) -> None:
+        self.gates = [Gate(at, name) for at, name in gate_list]
+        self.max_hold_s = max_hold_s
+        self.now = 0.0  # schedule time, s
+        self._t = 0.0
+
+    @property
+    def held_s(self) -> float:
+        return sum(g.held_s for g in self.gates)
+
+    def tick(self, t: float, ready: Callable[[str], bool]) -> float:
+        dt, self._t = max(0.0, t - self._t), t
+        gate = next((g for g in self.gates if g.passed_s is None), None)
+        if gate is None:
+            self.now += dt
+            return self.now
+        if self.now < gate.at:
+            self.now = min(gate.at, self.now + dt)
+            if self.now < gate.at:
+                return self.now
+        else:
+            gate.held_s += dt
+        ok = ready(gate.name)
+        if ok or gate.held_s >= self.max_hold_s:
+            gate.passed_s, gate.timed_out = t, not ok
+        return self.now
+
+
 # ---------------------------------------------------------------------- requests
 
 
@@ -232,10 +307,14 @@ def transitions(series: Sequence[tuple[float, int]]) -> list[tuple[float, int, i
     return [(t, a, b) for (_, a), (t, b) in zip(series, series[1:]) if a != b]
 
 
-def scale_events(samples: Sequence[Mapping], schedule: Schedule) -> dict[str, dict]:
-    """Per deployment: min/max RUNNING, its transitions, and whether an autoscaling up
-    (<= 1 -> >= 2 once the load has risen) and down (>= 2 -> 1 after the load fell, when no
-    fault comes any more) was seen."""
+def scale_events(
+    samples: Sequence[Mapping], rise_s: float | None, fall_s: float | None
+) -> dict[str, dict]:
+    """Per deployment: min/max RUNNING, its transitions, and when an autoscaling up (<= 1 ->
+    >= 2 once the load rose, at ``rise_s``) and down (>= 2 -> 1 once it fell, at ``fall_s``,
+    when no fault comes any more) was first seen (None: not seen, or the load never did)."""
+    rise = math.inf if rise_s is None else rise_s
+    fall = math.inf if fall_s is None else fall_s
     out = {}
     for name in DEPLOYMENTS:
         series = running_series(samples, name)
@@ -246,10 +325,10 @@ def scale_events(samples: Sequence[Mapping], schedule: Schedule) -> dict[str, di
             "max": max(counts, default=None),
             "transitions": [list(m) for m in moves],
             "scaled_up_at": next(
-                (t for t, a, b in moves if a <= 1 and b >= 2 and schedule.rise_s <= t), None
+                (t for t, a, b in moves if a <= 1 and b >= 2 and rise <= t < fall), None
             ),
             "scaled_down_at": next(
-                (t for t, a, b in moves if a >= 2 and b == 1 and t >= schedule.fall_s), None
+                (t for t, a, b in moves if a >= 2 and b == 1 and t >= fall), None
             ),
         }
     return out
@@ -407,18 +486,20 @@ def analyse(
     outcomes: Sequence[Outcome],
     samples: Sequence[Mapping],
     events: Sequence[Mapping],
-    schedule: Schedule,
+    phases: Mapping[str, float | None],
     *,
     warmup_s: float,
     min_span_s: float,
     max_growth_bytes: int,
 ) -> dict:
-    """The soak's report (JSON-ready): requests, faults, scaling, draft recovery, memory,
-    limits, checks and ``passed``."""
+    """The soak's report (JSON-ready): requests, faults, phases ({"rise": s, "fall": s} of the
+    load, None when never reached), scaling, draft recovery, memory, limits, problems (failed
+    or mismatched requests, the first 100), checks and ``passed``."""
     report = {
         "requests": request_counts(outcomes),
         "faults": list(events),
-        "scaling": scale_events(samples, schedule),
+        "phases": dict(phases),
+        "scaling": scale_events(samples, phases.get("rise"), phases.get("fall")),
         "draft_recovery": draft_recovery(samples, events, outcomes),
         "memory": memory_rows(samples, warmup_s, min_span_s, max_growth_bytes),
         "limits": {
@@ -702,25 +783,33 @@ class Load:
         return outcome
 
 
-class Faults(threading.Thread):
-    """Kills the newest TargetModel replica at KILL_TARGET_AT (waiting, until the draft kill,
-    for the target to have two RUNNING: with one, its requests would wait for a new replica),
-    SIGKILLs the draft node at KILL_DRAFT_AT and starts it again at RESTART_DRAFT_AT.
+class Faults:
+    """The soak's faults, each run in the background (``start``) so the load's clock never
+    waits on one; ``events`` gets one record per fault: {"name", "t", "t_done", "ok", "what",
+    ...} (``error`` when it failed)."""
 
-    ``events``: [{"name", "t", "ok", "what", ...}] (``error`` when a fault failed).
-    """
-
-    def __init__(self, state_dir: Path, schedule: Schedule, clock: Callable[[], float]) -> None:
-        super().__init__(name="soak-faults", daemon=True)
-        self.state_dir, self.schedule, self.clock = state_dir, schedule, clock
+    def __init__(self, state_dir: Path, clock: Callable[[], float]) -> None:
+        self.state_dir, self.clock = state_dir, clock
         self.events: list[dict] = []
-        self.stop = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
 
-    def _sleep_until(self, t: float) -> bool:
-        """False when stopped before ``t``."""
-        return not self.stop.wait(max(0.0, t - self.clock()))
+    def start(self, name: str, action: Callable[[], dict]) -> None:
+        thread = threading.Thread(target=self._record, args=(name, action), daemon=True)
+        self._threads[name] = thread
+        thread.start()
 
-    def _record(self, name: str, action: Callable[[], dict]) -> dict:
+    def done(self, name: str) -> bool:
+        return name in self._threads and not self._threads[name].is_alive()
+
+    def skip(self, name: str, why: str) -> None:
+        t = round(self.clock(), 2)
+        self.events.append({"name": name, "t": t, "t_done": t, "ok": False, "error": why})
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self._threads.values():
+            thread.join(timeout_s)
+
+    def _record(self, name: str, action: Callable[[], dict]) -> None:
         event = {"name": name, "t": round(self.clock(), 2)}
         try:
             event.update(action(), ok=True)
@@ -728,48 +817,132 @@ class Faults(threading.Thread):
             event.update(ok=False, error=f"{type(err).__name__}: {err}")
         event["t_done"] = round(self.clock(), 2)
         self.events.append(event)
-        return event
 
-    def _kill_target(self) -> dict:
+    @staticmethod
+    def kill_target() -> dict:
+        """ray.kill of the newest RUNNING TargetModel replica (the one scaling up added)."""
         import ray
 
-        deadline = self.schedule.at(KILL_DRAFT_AT)
-        while True:
-            running = [
-                r for r in serve_replicas() if r["deployment"] == TARGET and r["state"] == "RUNNING"
-            ]
-            if len(running) >= 2:
-                break
-            if self.clock() > deadline or self.stop.is_set():
-                raise RuntimeError(f"TargetModel never had 2 RUNNING replicas ({len(running)})")
-            time.sleep(0.5)
+        running = [
+            r for r in serve_replicas() if r["deployment"] == TARGET and r["state"] == "RUNNING"
+        ]
+        if len(running) < 2:
+            raise RuntimeError(f"TargetModel has {len(running)} RUNNING replicas, not 2")
         victim = max(running, key=lambda r: r["start_time_s"] or 0.0)
         ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
         return {"what": f"replica {victim['replica_id']} (pid {victim['pid']})", **victim}
 
-    def _kill_draft(self) -> dict:
+    def kill_draft(self) -> dict:
         from specdec.cluster.faults import kill_node
 
         before = [r["replica_id"] for r in serve_replicas() if r["deployment"] == DRAFT]
         pids = kill_node(self.state_dir, "draft")
         return {"what": f"{len(pids)} processes", "pids": pids, "draft_replicas": before}
 
-    def _restart_draft(self) -> dict:
+    def restart_draft(self) -> dict:
         from specdec.cluster.faults import restart_node
 
         node = restart_node(self.state_dir, "draft")
         return {"what": f"node pid {node.pid} alive", "pid": node.pid}
 
-    def run(self) -> None:
-        if not self._sleep_until(self.schedule.at(KILL_TARGET_AT)):
+
+class Runner:
+    """Drives one soak against the deployed service: the load on the schedule's clock (see
+    Timeline and ``gates``), the monitor, and the faults as their gates open."""
+
+    def __init__(
+        self,
+        address: str,
+        state_dir: Path,
+        references: Mapping[tuple[int, int], Sequence[int]],
+        schedule: Schedule,
+        opts: argparse.Namespace,
+    ) -> None:
+        from specdec.pairs.tiny import PROMPTS
+
+        t0 = time.monotonic()
+        self.clock = lambda: time.monotonic() - t0
+        self.schedule = schedule
+        self.timeline = Timeline(gates(schedule), opts.max_hold)
+        self.monitor = Monitor(self.clock, time.time(), opts.interval)
+        plan = request_plan(len(PROMPTS), opts.seed)
+        self.load = Load(address, plan, references, self.clock, opts.timeout)
+        self.faults = Faults(state_dir, self.clock)
+        self.phases: dict[str, float | None] = {"rise": None, "fall": None}
+        self.timeout_s, self.interval_s = opts.timeout, opts.interval
+
+    def ready(self, gate: str) -> bool:
+        """Whether ``gate`` may open now (from the latest sample, outcomes and faults)."""
+        if gate == TARGET_HAS_TWO:
+            latest = self.monitor.samples[-1:] or [{"running": {}}]
+            return latest[0]["running"].get(TARGET, 0) >= 2
+        if gate == TARGET_KILLED:
+            return self.faults.done("kill_target_replica")
+        if gate == DRAFT_KILLED:
+            return self.faults.done("kill_draft_node")
+        samples, events = list(self.monitor.samples), list(self.faults.events)
+        if gate == DRAFT_BACK:
+            recovery = draft_recovery(samples, events, list(self.load.outcomes))
+            return None not in recovery.values()
+        scaling = scale_events(samples, self.phases["rise"], self.phases["fall"])
+        return scaling[TARGET]["scaled_down_at"] is not None
+
+    def _open(self, gate: Gate) -> None:
+        """The fault that follows ``gate`` (none after the last two)."""
+        name, action = {
+            TARGET_HAS_TWO: ("kill_target_replica", self.faults.kill_target),
+            TARGET_KILLED: ("kill_draft_node", self.faults.kill_draft),
+            DRAFT_KILLED: ("restart_draft_node", self.faults.restart_draft),
+        }.get(gate.name, (None, None))
+        if name is None:
             return
-        self._record("kill_target_replica", self._kill_target)
-        if not self._sleep_until(self.schedule.at(KILL_DRAFT_AT)):
-            return
-        if not self._record("kill_draft_node", self._kill_draft)["ok"]:
-            return
-        if self._sleep_until(self.schedule.at(RESTART_DRAFT_AT)):
-            self._record("restart_draft_node", self._restart_draft)
+        killed = name != "restart_draft_node" or any(
+            e["name"] == "kill_draft_node" and e["ok"] for e in self.faults.events
+        )
+        if gate.timed_out and name == "kill_target_replica":
+            self.faults.skip(name, f"gave up after {gate.held_s:.0f} s: {gate.name} never held")
+        elif not killed:
+            self.faults.skip(name, "the draft node was not killed")
+        else:
+            self.faults.start(name, action)
+
+    def _step(self, t: float) -> bool:
+        """One tick of the schedule at load time ``t``; False once it is over."""
+        opened = [g for g in self.timeline.gates if g.passed_s is not None]
+        now = self.timeline.tick(t, self.ready)
+        for gate in self.timeline.gates:
+            if gate.passed_s is not None and gate not in opened:
+                self._open(gate)
+        concurrency = self.schedule.concurrency(now)
+        if concurrency == self.schedule.peak and self.phases["rise"] is None:
+            self.phases["rise"] = round(t, 2)
+        if now >= self.schedule.fall_s and self.phases["fall"] is None:
+            self.phases["fall"] = round(t, 2)
+        self.load.concurrency = concurrency
+        return now < self.schedule.duration_s
+
+    def run(self) -> tuple[list[Outcome], list[dict], list[dict], list[str]]:
+        """Runs the soak; returns (outcomes, samples, fault events, notes)."""
+        self.monitor.start()
+        self.load.start(self.schedule.peak)
+        next_progress = 0.0
+        while self._step(t := self.clock()):
+            if t >= next_progress:
+                next_progress += 30
+                _progress(t, self.timeline.now, self.load, self.monitor)
+            time.sleep(0.2)
+        stuck = self.load.stop(self.timeout_s + 10)
+        self.faults.join(120)
+        time.sleep(self.interval_s)  # one more sample after the last request
+        self.monitor.stop.set()
+        self.monitor.join(30)
+        notes = [f"monitor: {e}" for e in self.monitor.errors[:20]]
+        if stuck:
+            notes.append(f"{stuck} client threads did not finish within the request timeout")
+        return self.load.outcomes, self.monitor.samples, self.faults.events, notes
+
+    def gate_records(self) -> list[dict]:
+        return [dataclasses.asdict(g) for g in self.timeline.gates]
 
 
 def _machine() -> str:
@@ -784,52 +957,13 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-def run_load(
-    address: str,
-    state_dir: Path,
-    references: Mapping[tuple[int, int], Sequence[int]],
-    schedule: Schedule,
-    opts: argparse.Namespace,
-) -> tuple[list[Outcome], list[dict], list[dict], list[str]]:
-    """Runs the scheduled load, the monitor and the faults against the deployed service;
-    returns (outcomes, samples, fault events, notes)."""
-    t0 = time.monotonic()
-    clock = lambda: time.monotonic() - t0  # noqa: E731
-    from specdec.pairs.tiny import PROMPTS
-
-    monitor = Monitor(clock, time.time(), opts.interval)
-    load = Load(address, request_plan(len(PROMPTS), opts.seed), references, clock, opts.timeout)
-    faults = Faults(state_dir, schedule, clock)
-    monitor.start()
-    load.start(schedule.peak)
-    faults.start()
-    last_progress = -1
-    while (t := clock()) < schedule.duration_s:
-        load.concurrency = schedule.concurrency(t)
-        if int(t) // 30 != last_progress:
-            last_progress = int(t) // 30
-            _progress(t, load, monitor)
-        time.sleep(0.2)
-    load.concurrency = 0
-    faults.stop.set()
-    stuck = load.stop(opts.timeout + 10)
-    faults.join(120)
-    time.sleep(opts.interval)  # one more sample after the last request
-    monitor.stop.set()
-    monitor.join(30)
-    notes = [f"monitor: {e}" for e in monitor.errors[:20]]
-    if stuck:
-        notes.append(f"{stuck} client threads did not finish within the request timeout")
-    return load.outcomes, monitor.samples, faults.events, notes
-
-
-def _progress(t: float, load: Load, monitor: Monitor) -> None:
+def _progress(t: float, schedule_t: float, load: Load, monitor: Monitor) -> None:
     done = list(load.outcomes)
     failed = sum(o.code != "OK" for o in done)
     running = monitor.samples[-1]["running"] if monitor.samples else {}
     print(
-        f"[soak {t:5.0f} s] clients {load.concurrency}, requests {len(done)}, failed {failed}, "
-        f"replicas {running}",
+        f"[soak {t:5.0f} s, schedule {schedule_t:5.0f} s] clients {load.concurrency}, "
+        f"requests {len(done)}, failed {failed}, replicas {running}",
         file=sys.stderr,
         flush=True,
     )
@@ -841,17 +975,17 @@ class _KeepLogs(Exception):
 
 
 def soak(opts: argparse.Namespace, workdir: Path) -> dict:
-    """Sets up (pair, references, cluster, deployment), runs the load, analyses; returns the
-    report with its ``config`` and ``notes``. Stops its cluster in every case."""
-    import ray
-    from ray import serve
+    """Sets up (pair, references, cluster, deployment), runs the soak, analyses; returns the
+    report with its ``config``, ``gates``, ``notes`` and ``samples``. Stops its cluster in
+    every case; keeps its Ray logs when the soak failed.
 
+    Raises:
+        RuntimeError: the cluster or the deployment did not come up.
+    """
     from specdec.cluster.local import LocalCluster
-    from specdec.deployments.deploy import deploy
     from specdec.pairs.tiny import PROMPTS, save_pair
 
     schedule = parse_schedule(opts.schedule, opts.duration)
-    warmup_s = opts.warmup if opts.warmup is not None else min(120.0, 0.2 * opts.duration)
     started = time.monotonic()
     draft, target = save_pair(workdir / "models", noise=0.05, pad_vocab=7)
     references = compute_references(draft, target, opts.dtype, PROMPTS)
@@ -869,31 +1003,43 @@ def soak(opts: argparse.Namespace, workdir: Path) -> dict:
     try:
         with LocalCluster(workdir / "state") as info:
             config["ray_logs"] = f"{info.temp_root}/<role>/session_latest/logs"
-            try:
-                deploy(config_file, address=info.address, timeout_s=600)
-                config["setup_s"] = round(time.monotonic() - started, 1)
-                outcomes, samples, events, notes = run_load(
-                    f"127.0.0.1:{port}", info.state_dir, references, schedule, opts
-                )
-            finally:
-                if ray.is_initialized():
-                    serve.shutdown()
-                    ray.shutdown()
+            runner = _deploy_and_run(info, config_file, port, references, schedule, opts)
+            config["setup_s"] = round(runner.started - started, 1)
+            config["load_s"] = round(runner.ended - runner.started, 1)
             report = analyse(
-                outcomes,
-                samples,
-                events,
-                schedule,
-                warmup_s=warmup_s,
+                *runner.result[:3],
+                runner.phases,
+                warmup_s=opts.warmup if opts.warmup is not None else min(120, 0.2 * opts.duration),
                 min_span_s=min(60.0, 0.1 * opts.duration),
                 max_growth_bytes=int(opts.max_growth_mb * MB),
             )
-            report.update(config=config, notes=notes, samples=samples)
+            report.update(config=config, gates=runner.gate_records(), notes=runner.result[3])
+            report["samples"] = runner.result[1]
             if not report["passed"]:
                 raise _KeepLogs
     except _KeepLogs:
         pass
     return report
+
+
+def _deploy_and_run(info, config_file, port, references, schedule, opts) -> Runner:
+    """Deploys on the cluster ``info``, runs the soak (``runner.result``), disconnects."""
+    import ray
+    from ray import serve
+
+    from specdec.deployments.deploy import deploy
+
+    try:
+        deploy(config_file, address=info.address, timeout_s=600)
+        runner = Runner(f"127.0.0.1:{port}", Path(info.state_dir), references, schedule, opts)
+        runner.started = time.monotonic()
+        runner.result = runner.run()
+        runner.ended = time.monotonic()
+        return runner
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
 
 
 # ---------------------------------------------------------------------- command line
@@ -922,6 +1068,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=50.0,
         help="largest RSS growth of a replica after its warm-up, MB",
+    )
+    parser.add_argument(
+        "--max-hold",
+        type=float,
+        default=300.0,
+        help="longest wait of the schedule at one gate (e.g. for a second target replica), s",
     )
     parser.add_argument("--seed", type=int, default=0, help="order of the request mix")
     parser.add_argument("--out", help="write the report (with every sample) as JSON")

@@ -185,3 +185,20 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(tiny_pair,
             assert _stream(built, prompt, k, sides[1:]) == expected, (prompt, k, "target evicted")
         assert _stream(built, prompt, 0, sides[1:]) == expected, (prompt, "k=0 rebuilt")
     assert verifier.sessions.rebuilds > rebuilds + len(PROMPTS)
+
+
+def test_without_fixed_shape_verify_no_exact_widths_are_measured(tiny_pair):
+    from specdec.models.calibration import calibrate
+    from specdec.models.fixed_shape import ROW_WISE_ATTENTION
+
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    model, calibration = calibrate(
+        loaded,
+        "target",
+        ["float32"],
+        max_speculative_tokens=3,
+        automatic=False,
+        exact_widths=False,
+    )
+    assert calibration.chosen.exact is None and len(calibration.chosen.forward_s) > 4
+    assert model.model.config._attn_implementation != ROW_WISE_ATTENTION
