@@ -144,9 +144,8 @@ class Schedule:
         return fraction * self.duration_s
 
     def concurrency(self, t: float) -> int:
-        """Busy clients at ``t`` seconds (0 from the end of the load on)."""
-        if t >= self.duration_s:
-            return 0
+        """Busy clients at schedule time ``t`` s (the last step's from its start on: the load
+        stays on while the end waits for the scale-down)."""
         return [c for f, c in self.steps if f * self.duration_s <= t][-1]
 
     def describe(self) -> str:
@@ -173,7 +172,7 @@ def parse_schedule(text: str, duration_s: float) -> Schedule:
 TARGET_HAS_TWO = "target has 2 RUNNING replicas"
 TARGET_KILLED = "target replica kill done"
 DRAFT_KILLED = "draft node kill done"
-DRAFT_BACK = "draft back and drafting"
+DRAFT_BACK = "draft drafting again, target at 2"
 SCALED_DOWN = "target scaled down"
 
 
@@ -217,6 +216,18 @@ class Timeline:
     @property
     def held_s(self) -> float:
         return sum(g.held_s for g in self.gates)
+
+    @property
+    def holding(self) -> bool:
+        """Whether the clock stands at a gate that has not opened: it holds just before it,
+        so what starts at the gate's time (the load's fall) has not started yet."""
+        gate = next((g for g in self.gates if g.passed_s is None), None)
+        return gate is not None and self.now >= gate.at
+
+    @property
+    def load_time(self) -> float:
+        """The schedule time the load follows: just before a gate while it holds there."""
+        return self.now - 1e-6 if self.holding else self.now
 
     def tick(self, t: float, ready: Callable[[str], bool]) -> float:
         dt, self._t = max(0.0, t - self._t), t
@@ -270,7 +281,8 @@ def request_plan(n_prompts: int, seed: int = 0) -> list[RequestSpec]:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one request did. ``code`` is the gRPC status name (or CLIENT_<Exception>);
+    """What one request did. ``code`` is the gRPC status name (CLIENT_<Exception> for a
+    client-side failure, IN_FLIGHT while it runs);
     ``mismatch_at`` the first token index where the output left the reference (None: equal or
     failed); times in s since the load's start."""
 
@@ -278,7 +290,7 @@ class Outcome:
     spec: RequestSpec
     start_s: float
     end_s: float = float("nan")
-    code: str = "OK"
+    code: str = "IN_FLIGHT"
     details: str = ""
     tokens: int = 0
     mismatch_at: int | None = None
@@ -453,10 +465,10 @@ def checks(report: Mapping) -> dict[str, dict]:
             req["mismatches"] == 0 and req["ok"] > 0,
             f"{req['mismatches']} mismatches in {req['ok']}",
         ),
-        "target scaled up": (scale["scaled_up_at"] is not None, f"at {scale['scaled_up_at']}"),
+        "target scaled up": (scale["scaled_up_at"] is not None, f"at {_at(scale['scaled_up_at'])}"),
         "target scaled down": (
             scale["scaled_down_at"] is not None,
-            f"at {scale['scaled_down_at']}",
+            f"at {_at(scale['scaled_down_at'])}",
         ),
         "target replica killed": fault("kill_target_replica"),
         "draft node killed": fault("kill_draft_node"),
@@ -467,11 +479,11 @@ def checks(report: Mapping) -> dict[str, dict]:
         ),
         "draft replica back": (
             recovery["replica_back_at"] is not None,
-            f"RUNNING at {recovery['replica_back_at']}",
+            f"RUNNING at {_at(recovery['replica_back_at'])}",
         ),
         "speculation resumed": (
             recovery["speculating_again_at"] is not None,
-            f"first drafting request started at {recovery['speculating_again_at']}",
+            f"first drafting request started at {_at(recovery['speculating_again_at'])}",
         ),
         "replica memory flat": (
             not grown and any(r["deployment"] == TARGET for r in judged),
@@ -531,8 +543,15 @@ def format_summary(report: Mapping) -> str:
     """The printed summary: header, requests, faults, replicas, memory, checks, verdict."""
     cfg, req = report["config"], report["requests"]
     lines = [
-        f"specdec soak: dtype {cfg['dtype']}, {cfg['duration_s']:.0f} s of load "
-        f"(schedule {cfg['schedule']}), tiny pair; {cfg['machine']}; {cfg['date']}",
+        f"specdec soak: dtype {cfg['dtype']}, {cfg['duration_s']:.0f} s of scheduled load "
+        f"(clients {cfg['schedule']}), tiny pair; {cfg['machine']}; {cfg['date']}",
+        f"load: {cfg.get('load_s', '-')} s with holds and drain (setup {cfg.get('setup_s', '-')} "
+        "s); gates: "
+        + "; ".join(
+            f"{g['name']} at {_at(g['passed_s'])}"
+            + (f" (held {g['held_s']:.0f} s{', GAVE UP' if g['timed_out'] else ''})")
+            for g in report.get("gates", ())
+        ),
         f"requests: {req['sent']} sent, {req['ok']} OK, {req['failed']} failed "
         f"{req['by_code']}; greedy mismatches {req['mismatches']}; {req['tokens']} tokens",
         f"  OK by mode {req['by_mode']}; by k {req['by_k']}",
@@ -633,14 +652,16 @@ def write_serve_config(workdir: Path, draft: Path, target: Path, dtype: str) -> 
 
 
 def rss_bytes(pid: int | None) -> int | None:
-    """Resident memory of ``pid`` in bytes (/proc/PID/statm), None when it is gone."""
+    """Resident memory of ``pid`` in bytes (/proc/PID/statm), None when it is gone (or a
+    zombie)."""
     if not pid:
         return None
     try:
         resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return None
-    return resident * os.sysconf("SC_PAGE_SIZE")
+    # A killed replica that Serve still lists RUNNING is a zombie for a moment: 0 pages.
+    return resident * os.sysconf("SC_PAGE_SIZE") or None
 
 
 def serve_replicas() -> list[dict]:
@@ -731,7 +752,7 @@ class Load:
 
     def stop(self, timeout_s: float) -> int:
         """Lets every client finish its request, then ends; returns how many threads were
-        still running after ``timeout_s`` seconds (their requests stay unrecorded)."""
+        still running after ``timeout_s`` seconds (their requests stay IN_FLIGHT: failed)."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
@@ -745,15 +766,17 @@ class Load:
                 self._stop.wait(0.1)
                 continue
             index = next(self._next)
-            self.outcomes.append(self._call(index, self.plan[index % len(self.plan)]))
+            outcome = Outcome(index, self.plan[index % len(self.plan)], round(self.clock(), 3))
+            self.outcomes.append(outcome)  # IN_FLIGHT until it ends: a hung one is counted
+            self._call(outcome)
 
-    def _call(self, index: int, spec: RequestSpec) -> Outcome:
+    def _call(self, outcome: Outcome) -> None:
         import grpc
 
         from specdec.client import build_request
         from specdec.pairs.tiny import PROMPTS
 
-        outcome = Outcome(index, spec, round(self.clock(), 3))
+        spec = outcome.spec
         request = build_request(
             PROMPTS[spec.prompt_index],
             max_new_tokens=spec.max_new_tokens,
@@ -773,14 +796,13 @@ class Load:
         except Exception as err:  # noqa: BLE001 - a client-side failure is a failed request
             outcome.code, outcome.details = f"CLIENT_{type(err).__name__}", str(err)
         else:
-            outcome.tokens = len(tokens)
             want = self.references[(spec.prompt_index, spec.max_new_tokens)]
             outcome.mismatch_at = first_difference(tokens, want)
             if stats is not None:
                 outcome.rounds_without_draft = stats.rounds_without_draft
                 outcome.draft_tokens = stats.draft_tokens
+            outcome.code, outcome.tokens = "OK", len(tokens)  # last: other threads read it
         outcome.end_s = round(self.clock(), 3)
-        return outcome
 
 
 class Faults:
@@ -870,6 +892,7 @@ class Runner:
         self.faults = Faults(state_dir, self.clock)
         self.phases: dict[str, float | None] = {"rise": None, "fall": None}
         self.timeout_s, self.interval_s = opts.timeout, opts.interval
+        self.load_s: float | None = None
 
     def ready(self, gate: str) -> bool:
         """Whether ``gate`` may open now (from the latest sample, outcomes and faults)."""
@@ -881,9 +904,9 @@ class Runner:
         if gate == DRAFT_KILLED:
             return self.faults.done("kill_draft_node")
         samples, events = list(self.monitor.samples), list(self.faults.events)
-        if gate == DRAFT_BACK:
+        if gate == DRAFT_BACK:  # and the killed target replica replaced, so it can scale down
             recovery = draft_recovery(samples, events, list(self.load.outcomes))
-            return None not in recovery.values()
+            return None not in recovery.values() and self.ready(TARGET_HAS_TWO)
         scaling = scale_events(samples, self.phases["rise"], self.phases["fall"])
         return scaling[TARGET]["scaled_down_at"] is not None
 
@@ -913,16 +936,18 @@ class Runner:
         for gate in self.timeline.gates:
             if gate.passed_s is not None and gate not in opened:
                 self._open(gate)
-        concurrency = self.schedule.concurrency(now)
+        concurrency = self.schedule.concurrency(self.timeline.load_time)
         if concurrency == self.schedule.peak and self.phases["rise"] is None:
             self.phases["rise"] = round(t, 2)
-        if now >= self.schedule.fall_s and self.phases["fall"] is None:
+        falling = now >= self.schedule.fall_s and not self.timeline.holding
+        if falling and self.phases["fall"] is None:
             self.phases["fall"] = round(t, 2)
         self.load.concurrency = concurrency
-        return now < self.schedule.duration_s
+        return now < self.schedule.duration_s or self.timeline.gates[-1].passed_s is None
 
     def run(self) -> tuple[list[Outcome], list[dict], list[dict], list[str]]:
-        """Runs the soak; returns (outcomes, samples, fault events, notes)."""
+        """Runs the soak; returns (outcomes, samples, fault events, notes). Sets ``load_s``
+        (the load's length with the gates' holds and the drain)."""
         self.monitor.start()
         self.load.start(self.schedule.peak)
         next_progress = 0.0
@@ -932,6 +957,7 @@ class Runner:
                 _progress(t, self.timeline.now, self.load, self.monitor)
             time.sleep(0.2)
         stuck = self.load.stop(self.timeout_s + 10)
+        self.load_s = round(self.clock(), 1)
         self.faults.join(120)
         time.sleep(self.interval_s)  # one more sample after the last request
         self.monitor.stop.set()
@@ -959,7 +985,7 @@ def _machine() -> str:
 
 def _progress(t: float, schedule_t: float, load: Load, monitor: Monitor) -> None:
     done = list(load.outcomes)
-    failed = sum(o.code != "OK" for o in done)
+    failed = sum(o.code not in ("OK", "IN_FLIGHT") for o in done)
     running = monitor.samples[-1]["running"] if monitor.samples else {}
     print(
         f"[soak {t:5.0f} s, schedule {schedule_t:5.0f} s] clients {load.concurrency}, "
@@ -1003,18 +1029,21 @@ def soak(opts: argparse.Namespace, workdir: Path) -> dict:
     try:
         with LocalCluster(workdir / "state") as info:
             config["ray_logs"] = f"{info.temp_root}/<role>/session_latest/logs"
-            runner = _deploy_and_run(info, config_file, port, references, schedule, opts)
-            config["setup_s"] = round(runner.started - started, 1)
-            config["load_s"] = round(runner.ended - runner.started, 1)
+            runner, (outcomes, samples, events, notes) = _deploy_and_run(
+                info, config_file, port, references, schedule, opts, started
+            )
+            config["setup_s"], config["load_s"] = runner.setup_s, runner.load_s
             report = analyse(
-                *runner.result[:3],
+                outcomes,
+                samples,
+                events,
                 runner.phases,
                 warmup_s=opts.warmup if opts.warmup is not None else min(120, 0.2 * opts.duration),
                 min_span_s=min(60.0, 0.1 * opts.duration),
                 max_growth_bytes=int(opts.max_growth_mb * MB),
             )
-            report.update(config=config, gates=runner.gate_records(), notes=runner.result[3])
-            report["samples"] = runner.result[1]
+            report.update(config=config, gates=runner.gate_records(), notes=notes)
+            report["samples"] = samples
             if not report["passed"]:
                 raise _KeepLogs
     except _KeepLogs:
@@ -1022,8 +1051,9 @@ def soak(opts: argparse.Namespace, workdir: Path) -> dict:
     return report
 
 
-def _deploy_and_run(info, config_file, port, references, schedule, opts) -> Runner:
-    """Deploys on the cluster ``info``, runs the soak (``runner.result``), disconnects."""
+def _deploy_and_run(info, config_file, port, references, schedule, opts, started) -> tuple:
+    """Deploys on the cluster ``info``, runs the soak, disconnects; returns (runner, what
+    Runner.run returned). ``runner.setup_s``: seconds from ``started`` to the load."""
     import ray
     from ray import serve
 
@@ -1032,10 +1062,8 @@ def _deploy_and_run(info, config_file, port, references, schedule, opts) -> Runn
     try:
         deploy(config_file, address=info.address, timeout_s=600)
         runner = Runner(f"127.0.0.1:{port}", Path(info.state_dir), references, schedule, opts)
-        runner.started = time.monotonic()
-        runner.result = runner.run()
-        runner.ended = time.monotonic()
-        return runner
+        runner.setup_s = round(time.monotonic() - started, 1)
+        return runner, runner.run()
     finally:
         if ray.is_initialized():
             serve.shutdown()

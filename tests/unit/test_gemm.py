@@ -70,3 +70,17 @@ def test_weight_major_speculation_equals_its_target_alone(tiny_pair, weight_majo
             out = engine.generate(prompt, params, k)
             assert out.token_ids == alone.token_ids
             assert out.logprobs == alone.logprobs
+
+
+def test_a_later_candidate_needs_a_clear_margin_to_be_chosen():
+    from specdec.models.calibration import CHOICE_MARGIN, DtypeMeasurement, _choose
+
+    def candidate(name, seconds):
+        return DtypeMeasurement(name, (1.0,), 0.01, None, seconds), name
+
+    first = candidate("float32", 20.0)
+    near = candidate("float32+wm", 20.0 / (1 + CHOICE_MARGIN) + 0.01)
+    clear = candidate("bfloat16", 20.0 / (1 + CHOICE_MARGIN) - 0.01)
+    assert _choose([first, near])[1] == "float32"  # noise-sized gains keep the first
+    assert _choose([first, near, clear])[1] == "bfloat16"
+    assert _choose([near, first])[1] == "float32+wm"

@@ -14,7 +14,7 @@ DURATION = 100.0  # faults at 30, 50, 60 s; default schedule: 6 clients from 15 
 def test_default_schedule_rises_before_the_faults_and_falls_after():
     schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
     times = (0, 14.9, 15, 69.9, 70, 99.9, 100)
-    assert [schedule.concurrency(t) for t in times] == [1, 1, 6, 6, 1, 1, 0]
+    assert [schedule.concurrency(t) for t in times] == [1, 1, 6, 6, 1, 1, 1]
     assert (schedule.peak, schedule.rise_s, schedule.fall_s) == (6, 15.0, 70.0)
     assert schedule.describe() == soak.DEFAULT_SCHEDULE
 
@@ -55,6 +55,67 @@ def test_first_difference():
     assert soak.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert soak.first_difference([1, 9, 3], [1, 2, 3]) == 1
     assert soak.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def _tick_through(timeline, ready, start, until, step=0.5):
+    """Ticks every ``step`` s of load time from ``start`` to ``until``: {t: schedule time}."""
+    ticks = [start + i * step for i in range(int((until - start) / step) + 1)]
+    return {t: timeline.tick(t, ready) for t in ticks}
+
+
+def test_timeline_follows_the_clock_and_holds_at_a_gate_until_ready():
+    timeline = soak.Timeline([(10.0, "a"), (20.0, "b")], max_hold_s=100)
+    readiness = {"a": False, "b": True}
+    asked = []
+
+    def ready(name):
+        asked.append(name)
+        return readiness[name]
+
+    trace = _tick_through(timeline, ready, 0, 14)
+    assert trace[9.5] == 9.5 and trace[10] == trace[14] == 10.0  # held at "a"
+    assert set(asked) == {"a"}  # nothing asked before the gate, "b" not before "a"
+    readiness["a"] = True
+    trace = _tick_through(timeline, ready, 14.5, 40)
+    gate_a, gate_b = timeline.gates
+    assert (gate_a.passed_s, gate_a.timed_out, gate_a.held_s) == (14.5, False, 4.5)
+    assert trace[15] == 10.5  # schedule time = load time - the hold
+    assert trace[24.5] == 20.0 and trace[25] == 20.5  # b was ready at once: no hold
+    assert (gate_b.passed_s, gate_b.held_s) == (24.5, 0)
+    assert timeline.held_s == 4.5
+
+
+def test_the_load_does_not_fall_while_the_clock_holds_at_the_fall():
+    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
+    timeline = soak.Timeline(soak.gates(schedule), max_hold_s=100)
+    ready = {name: True for _, name in soak.gates(schedule)} | {soak.DRAFT_BACK: False}
+    _tick_through(timeline, ready.get, 0, 80)
+    assert timeline.holding and timeline.now == schedule.fall_s == 70
+    assert schedule.concurrency(timeline.load_time) == 6  # still the peak
+    ready[soak.DRAFT_BACK] = True
+    timeline.tick(80.5, ready.get)
+    assert not timeline.holding and schedule.concurrency(timeline.load_time) == 1
+    _tick_through(timeline, ready.get, 81, 200)
+    assert timeline.now == 189.5 and [g.held_s for g in timeline.gates] == [0, 0, 0, 10.5, 0]
+
+
+def test_timeline_gives_up_after_max_hold():
+    timeline = soak.Timeline([(5.0, "never")], max_hold_s=3)
+    trace = _tick_through(timeline, lambda name: False, 0, 12)
+    gate = timeline.gates[0]
+    assert (gate.timed_out, gate.passed_s, gate.held_s) == (True, 8.0, 3.0)
+    assert trace[12] == 9.0  # schedule time = load time - the hold
+
+
+def test_gates_come_in_the_faults_order():
+    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
+    assert soak.gates(schedule) == [
+        (30.0, soak.TARGET_HAS_TWO),
+        (50.0, soak.TARGET_KILLED),
+        (60.0, soak.DRAFT_KILLED),
+        (70.0, soak.DRAFT_BACK),
+        (100.0, soak.SCALED_DOWN),
+    ]
 
 
 # ---------------------------------------------------------------------- a made-up run
@@ -98,6 +159,7 @@ def _samples(target_growth=0):
     return out
 
 
+PHASES = {"rise": 15.0, "fall": 70.0}  # the load's 6 clients came at 15 s and went at 70 s
 EVENTS = [
     {"name": "kill_target_replica", "t": 30.0, "t_done": 30.1, "ok": True, "what": "t2"},
     {"name": "kill_draft_node", "t": 50.0, "t_done": 50.2, "ok": True, "draft_replicas": ["d1"]},
@@ -107,7 +169,7 @@ EVENTS = [
 
 def _outcomes(**changes):
     base = [
-        Outcome(i, RequestSpec(i % 8, 16, k, bool(i % 2)), float(i), float(i) + 0.5, tokens=16)
+        Outcome(i, RequestSpec(i % 8, 16, k, i % 2 == 1), i, i + 0.5, "OK", tokens=16)
         for i, k in enumerate([0, 1, 3, None] * 25)
     ]
     base[52].rounds_without_draft = 4  # ran during the draft's absence
@@ -123,7 +185,7 @@ def _analyse(outcomes=None, samples=None, events=EVENTS):
         _outcomes() if outcomes is None else outcomes,
         _samples() if samples is None else samples,
         events,
-        soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION),
+        PHASES,
         warmup_s=20.0,
         min_span_s=10.0,
         max_growth_bytes=50 * MB,
@@ -170,6 +232,8 @@ def test_a_failed_request_and_a_changed_output_fail_the_run():
     assert _failed(report) == {"no failed requests", "greedy outputs equal the reference"}
     assert report["requests"]["by_code"] == {"OK": 99, "UNAVAILABLE": 1}
     assert [p["index"] for p in report["problems"]] == [3, 4]
+    hung = _analyse(_outcomes(**{"9": dict(code="IN_FLIGHT")}))  # never answered
+    assert _failed(hung) == {"no failed requests"} and hung["requests"]["failed"] == 1
     assert "verdict: FAIL" in soak.format_summary({**report, "config": _config()})
 
 
@@ -191,6 +255,14 @@ def test_no_scale_down_after_the_load_fell_fails():
         if sample["t"] >= 72:
             sample["running"][TARGET] = 2
     assert _failed(_analyse(samples=samples)) == {"target scaled down"}
+
+
+def test_a_load_that_never_fell_cannot_show_a_scale_down():
+    report = _analyse()
+    never = soak.scale_events(_samples(), rise_s=15.0, fall_s=None)
+    assert never[TARGET]["scaled_down_at"] is None
+    assert never[TARGET]["scaled_up_at"] == report["scaling"][TARGET]["scaled_up_at"] == 20.0
+    assert soak.scale_events(_samples(), rise_s=None, fall_s=None)[TARGET]["scaled_up_at"] is None
 
 
 def test_faults_that_did_not_happen_fail_their_checks():
