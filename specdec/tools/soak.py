@@ -26,7 +26,10 @@ holds at most ``--max-hold`` seconds and the summary shows every hold.
 It prints the counts and the checks, writes them as JSON (``--out``) and stops exactly the
 cluster it started. Exit status 1 when any request failed, any greedy output differed from the
 reference, the target did not scale up and back down, a fault did not happen (or the draft did
-not come back), or a replica's memory grew past ``--max-growth-mb`` after its warm-up.
+not come back and draft again), the model replicas' caches kept more sessions after the load
+than replica changes can strand (``strandable_sessions``), or a replica's resident memory grew
+by more than ``--max-growth-mb`` (default 50 MB, a tenth of a tiny-pair replica's ~0.5 GB)
+from its baseline, the first sample after its first ``--warmup`` seconds, to its last sample.
 
 Times are seconds since the start of the load (``t``); memory is in bytes in the JSON, MB
 (10^6 bytes) in the printed summary.
@@ -322,9 +325,10 @@ def transitions(series: Sequence[tuple[float, int]]) -> list[tuple[float, int, i
 def scale_events(
     samples: Sequence[Mapping], rise_s: float | None, fall_s: float | None
 ) -> dict[str, dict]:
-    """Per deployment: min/max RUNNING, its transitions, and when an autoscaling up (<= 1 ->
-    >= 2 once the load rose, at ``rise_s``) and down (>= 2 -> 1 once it fell, at ``fall_s``,
-    when no fault comes any more) was first seen (None: not seen, or the load never did)."""
+    """Per deployment: min/max RUNNING, its transitions, and when an autoscaling up (1 -> >= 2
+    once the load rose, at ``rise_s``; 0 -> n is a recovery) and down (>= 2 -> 1 once it fell,
+    at ``fall_s``, when no fault comes any more) was first seen (None: not seen, or the load
+    never did)."""
     rise = math.inf if rise_s is None else rise_s
     fall = math.inf if fall_s is None else fall_s
     out = {}
@@ -337,7 +341,7 @@ def scale_events(
             "max": max(counts, default=None),
             "transitions": [list(m) for m in moves],
             "scaled_up_at": next(
-                (t for t, a, b in moves if a <= 1 and b >= 2 and rise <= t < fall), None
+                (t for t, a, b in moves if a == 1 and b >= 2 and rise <= t < fall), None
             ),
             "scaled_down_at": next(
                 (t for t, a, b in moves if a >= 2 and b == 1 and t >= fall), None
@@ -443,6 +447,61 @@ def draft_recovery(
     return {"replica_back_at": back, "speculating_again_at": min(drafted, default=None)}
 
 
+def sessions_left(caches: Mapping[str, Mapping[str, Mapping]]) -> dict[str, int]:
+    """{deployment: sessions its replicas still hold} from cache stats taken after the load."""
+    return {
+        name: sum(c["sessions"] for c in replicas.values()) for name, replicas in caches.items()
+    }
+
+
+def strandable_sessions(
+    samples: Sequence[Mapping], outcomes: Sequence[Outcome], deployment: str, slack_s: float
+) -> int:
+    """How many sessions a change of ``deployment``'s RUNNING replicas may have stranded: the
+    requests in flight around each change (between the two samples that show it, widened by
+    ``slack_s`` seconds on each side), counted once per change.
+
+    A session lives on the replica its id hashes to; when the replica set changes (scaling,
+    a kill), a running request's next calls, its release included, may hash to another
+    replica, which rebuilds the session, and the old entry stays behind until the LRU evicts it
+    (soft state by design, bounded by cache_capacity_bytes). More sessions left than this
+    bound means sessions that were never released: a leak.
+    """
+    sets = [
+        (
+            s["t"],
+            frozenset(
+                r["replica_id"]
+                for r in s.get("replicas", ())
+                if r["deployment"] == deployment and r["state"] == "RUNNING"
+            ),
+        )
+        for s in samples
+    ]
+    windows = [(t0 - slack_s, t1 + slack_s) for (t0, a), (t1, b) in zip(sets, sets[1:]) if a != b]
+    return sum(
+        o.start_s <= hi and not o.end_s < lo  # a NaN end: still in flight
+        for lo, hi in windows
+        for o in outcomes
+    )
+
+
+def cache_check(caches: Mapping[str, Mapping], strandable: Mapping[str, int]) -> tuple[bool, str]:
+    """(ok, detail): the draft and target were both asked after the load, and neither holds
+    more sessions than replica changes can strand (see strandable_sessions)."""
+    left = sessions_left(caches)
+    asked = all(caches.get(name) for name in (DRAFT, TARGET))
+    detail = "; ".join(
+        f"{name}: {left[name]} sessions left "
+        f"({sum(c['bytes'] for c in replicas.values())} bytes) on {len(replicas)} replicas, "
+        f"<= {strandable.get(name, 0)} strandable; "
+        f"{sum(c['rebuilds'] for c in replicas.values())} rebuilds"
+        for name, replicas in caches.items()
+    )
+    ok = asked and all(n <= strandable.get(name, 0) for name, n in left.items())
+    return ok, detail or "not asked"
+
+
 def checks(report: Mapping) -> dict[str, dict]:
     """{check: {"ok": bool, "detail": str}} of a soak report (see ``analyse``)."""
     req, scale, mem = report["requests"], report["scaling"][TARGET], report["memory"]
@@ -485,6 +544,7 @@ def checks(report: Mapping) -> dict[str, dict]:
             recovery["speculating_again_at"] is not None,
             f"first drafting request started at {_at(recovery['speculating_again_at'])}",
         ),
+        "no session leaked": cache_check(report["caches"], report["strandable_sessions"]),
         "replica memory flat": (
             not grown and any(r["deployment"] == TARGET for r in judged),
             f"{len(judged)} replicas judged, {len(grown)} grew past "
@@ -499,20 +559,29 @@ def analyse(
     samples: Sequence[Mapping],
     events: Sequence[Mapping],
     phases: Mapping[str, float | None],
+    caches: Mapping[str, Mapping[str, Mapping]],
     *,
     warmup_s: float,
     min_span_s: float,
     max_growth_bytes: int,
+    sample_interval_s: float = 2.0,
 ) -> dict:
     """The soak's report (JSON-ready): requests, faults, phases ({"rise": s, "fall": s} of the
-    load, None when never reached), scaling, draft recovery, memory, limits, problems (failed
-    or mismatched requests, the first 100), checks and ``passed``."""
+    load, None when never reached), scaling, draft recovery, caches ({deployment: {replica:
+    {"sessions", "bytes", "evictions", "rebuilds"}}} after the load), strandable_sessions
+    ({deployment: bound}, see strandable_sessions), memory, limits,
+    problems (failed or mismatched requests, the first 100), checks and ``passed``."""
     report = {
         "requests": request_counts(outcomes),
         "faults": list(events),
         "phases": dict(phases),
         "scaling": scale_events(samples, phases.get("rise"), phases.get("fall")),
         "draft_recovery": draft_recovery(samples, events, outcomes),
+        "caches": {name: dict(replicas) for name, replicas in caches.items()},
+        "strandable_sessions": {
+            name: strandable_sessions(samples, outcomes, name, sample_interval_s)
+            for name in (DRAFT, TARGET)
+        },
         "memory": memory_rows(samples, warmup_s, min_span_s, max_growth_bytes),
         "limits": {
             "warmup_s": warmup_s,
@@ -545,11 +614,11 @@ def format_summary(report: Mapping) -> str:
     lines = [
         f"specdec soak: dtype {cfg['dtype']}, {cfg['duration_s']:.0f} s of scheduled load "
         f"(clients {cfg['schedule']}), tiny pair; {cfg['machine']}; {cfg['date']}",
-        f"load: {cfg.get('load_s', '-')} s with holds and drain (setup {cfg.get('setup_s', '-')} "
-        "s); gates: "
-        + "; ".join(
-            f"{g['name']} at {_at(g['passed_s'])}"
-            + (f" (held {g['held_s']:.0f} s{', GAVE UP' if g['timed_out'] else ''})")
+        f"load: {cfg.get('load_s', '-')} s with the gates' holds and the drain "
+        f"(setup before it {cfg.get('setup_s', '-')} s); gates:",
+        *(
+            f"  {g['name']:<34} opened at {_at(g['passed_s'])}, held {g['held_s']:.0f} s"
+            + (" (GAVE UP)" if g["timed_out"] else "")
             for g in report.get("gates", ())
         ),
         f"requests: {req['sent']} sent, {req['ok']} OK, {req['failed']} failed "
@@ -573,32 +642,39 @@ def format_summary(report: Mapping) -> str:
             f"  {name:<18} {s['min']}-{s['max']}  up {_at(s['scaled_up_at'])}, "
             f"down {_at(s['scaled_down_at'])}, {len(s['transitions'])} changes"
         )
-    lim = report["limits"]
     lines.append(
-        f"memory (RSS MB; baseline: first sample >= {lim['warmup_s']:.0f} s into the load and "
-        f"the replica's life; judged over >= {lim['min_span_s']:.0f} s; "
-        f"limit +{lim['max_growth_bytes'] / MB:.0f} MB):"
+        "caches after the load: " + cache_check(report["caches"], report["strandable_sessions"])[1]
     )
-    lines.append(
+    lines += _memory_table(report["memory"], report["limits"])
+    lines.append("checks:")
+    for name, c in report["checks"].items():
+        lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {name}: {c['detail']}")
+    lines.append(f"verdict: {'PASS' if report['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def _memory_table(rows: Sequence[Mapping], limits: Mapping) -> list[str]:
+    """The summary's memory lines: per replica, RSS (MB) @ t (s) first, at its baseline and
+    at its end, its peak and growth from the baseline, and whether it was judged."""
+
+    def point(p: Sequence[float] | None) -> str:
+        return "-" if p is None else f"{p[1] / MB:.1f}@{p[0]:.0f}"
+
+    lines = [
+        f"memory (RSS MB@t s; baseline: first sample >= {limits['warmup_s']:.0f} s into the load "
+        f"and the replica's life; judged over >= {limits['min_span_s']:.0f} s; "
+        f"limit +{limits['max_growth_bytes'] / MB:.0f} MB):",
         f"  {'deployment':<18} {'pid':>7} {'born':>7} {'first':>13} {'baseline':>13} "
-        f"{'end':>13} {'peak':>7} {'growth':>7}  judged"
-    )
-    for r in report["memory"]:
-
-        def point(p):
-            return "-" if p is None else f"{p[1] / MB:.1f}@{p[0]:.0f}"
-
+        f"{'end':>13} {'peak':>7} {'growth':>7}  judged",
+    ]
+    for r in rows:
         verdict = ("ok" if r["ok"] else "GREW") if r["judged"] else "no (too short)"
         lines.append(
             f"  {r['deployment']:<18} {r['pid']:>7} {r['born_s']:>7.0f} {point(r['first']):>13} "
             f"{point(r['baseline']):>13} {point(r['end']):>13} {_mb(r['peak_bytes']):>7} "
             f"{_mb(r['growth_bytes']):>7}  {verdict}"
         )
-    lines.append("checks:")
-    for name, c in report["checks"].items():
-        lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {name}: {c['detail']}")
-    lines.append(f"verdict: {'PASS' if report['passed'] else 'FAIL'}")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------------- setup
@@ -686,6 +762,44 @@ def serve_replicas() -> list[dict]:
         for name, d in app.deployments.items()
         for r in d.replicas
     ]
+
+
+def cache_stats(deployment: str, probes: int = 200) -> dict[str, dict]:
+    """{replica_id: {"sessions", "bytes", "evictions", "rebuilds"}} of every RUNNING replica
+    of a model deployment, reached through session keys that hash to each (the deployments
+    route by session, as tests/integration/test_serving.py does). Needs Serve connected."""
+    from ray import serve
+
+    want = sum(r["deployment"] == deployment and r["state"] == "RUNNING" for r in serve_replicas())
+    stats: dict[str, dict] = {}
+    for i in range(probes):
+        if len(stats) >= want:
+            break
+        handle = serve.get_deployment_handle(deployment, APPLICATION).options(
+            session_id=f"soak-probe-{i}"
+        )
+        replica = handle.replica_id.remote().result()
+        if replica not in stats:
+            c = handle.cache_stats.remote().result()
+            stats[replica] = {
+                "sessions": c.sessions,
+                "bytes": c.bytes,
+                "evictions": c.evictions,
+                "rebuilds": c.rebuilds,
+            }
+    return stats
+
+
+def settled_caches(wait_s: float = 20.0) -> dict[str, dict[str, dict]]:
+    """cache_stats of the draft and target after the load, asked again for up to ``wait_s``
+    seconds while a session is left (a release may still be on its way; a stranded session
+    stays)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        caches = {name: cache_stats(name) for name in (DRAFT, TARGET)}
+        if not any(sessions_left(caches).values()) or time.monotonic() > deadline:
+            return caches
+        time.sleep(1.0)
 
 
 class Monitor(threading.Thread):
@@ -893,6 +1007,7 @@ class Runner:
         self.phases: dict[str, float | None] = {"rise": None, "fall": None}
         self.timeout_s, self.interval_s = opts.timeout, opts.interval
         self.load_s: float | None = None
+        self.caches: dict[str, dict[str, dict]] = {}
 
     def ready(self, gate: str) -> bool:
         """Whether ``gate`` may open now (from the latest sample, outcomes and faults)."""
@@ -958,14 +1073,24 @@ class Runner:
             time.sleep(0.2)
         stuck = self.load.stop(self.timeout_s + 10)
         self.load_s = round(self.clock(), 1)
+        notes = self._finish()
+        if stuck:
+            notes.append(f"{stuck} client threads did not finish within the request timeout")
+        return self.load.outcomes, self.monitor.samples, self.faults.events, notes
+
+    def _finish(self) -> list[str]:
+        """After the load: the caches (``self.caches``), the last fault, a last sample; returns
+        the notes (monitor errors, caches not readable)."""
+        notes = []
+        try:
+            self.caches = settled_caches()
+        except Exception as err:  # noqa: BLE001 - noted; the caches check then fails
+            notes.append(f"cache stats unavailable: {type(err).__name__}: {err}")
         self.faults.join(120)
         time.sleep(self.interval_s)  # one more sample after the last request
         self.monitor.stop.set()
         self.monitor.join(30)
-        notes = [f"monitor: {e}" for e in self.monitor.errors[:20]]
-        if stuck:
-            notes.append(f"{stuck} client threads did not finish within the request timeout")
-        return self.load.outcomes, self.monitor.samples, self.faults.events, notes
+        return notes + [f"monitor: {e}" for e in self.monitor.errors[:20]]
 
     def gate_records(self) -> list[dict]:
         return [dataclasses.asdict(g) for g in self.timeline.gates]
@@ -1038,9 +1163,11 @@ def soak(opts: argparse.Namespace, workdir: Path) -> dict:
                 samples,
                 events,
                 runner.phases,
+                runner.caches,
                 warmup_s=opts.warmup if opts.warmup is not None else min(120, 0.2 * opts.duration),
                 min_span_s=min(60.0, 0.1 * opts.duration),
                 max_growth_bytes=int(opts.max_growth_mb * MB),
+                sample_interval_s=opts.interval,
             )
             report.update(config=config, gates=runner.gate_records(), notes=notes)
             report["samples"] = samples

@@ -208,9 +208,11 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
     from specdec.models.calibration import AUTO
+    from specdec.models.gemm import WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
-    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO}
+    weight_major = {"float32" + WEIGHT_MAJOR}
+    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | weight_major
 
 
 def test_the_config_module_imports_neither_ray_nor_torch_nor_the_engine():

@@ -180,12 +180,23 @@ def _outcomes(**changes):
     return base
 
 
-def _analyse(outcomes=None, samples=None, events=EVENTS):
+def _caches(**left):
+    """Draft d2 and targets t1, t3 after the load: empty, unless ``left`` (replica: sessions)."""
+
+    def one(rid):
+        n = left.get(rid, 0)
+        return {"sessions": n, "bytes": 256 * n, "evictions": 0, "rebuilds": 3}
+
+    return {DRAFT: {"d2": one("d2")}, TARGET: {"t1": one("t1"), "t3": one("t3")}}
+
+
+def _analyse(outcomes=None, samples=None, events=EVENTS, caches=None):
     return soak.analyse(
         _outcomes() if outcomes is None else outcomes,
         _samples() if samples is None else samples,
         events,
         PHASES,
+        _caches() if caches is None else caches,
         warmup_s=20.0,
         min_span_s=10.0,
         max_growth_bytes=50 * MB,
@@ -288,6 +299,29 @@ def test_a_draft_that_never_comes_back_or_never_drafts_again_fails():
             sample["replicas"] = [r for r in sample["replicas"] if r["deployment"] != DRAFT]
     outcomes = _outcomes(**{"70": dict(draft_tokens=0)})
     assert _failed(_analyse(outcomes, samples)) == {"draft replica back", "speculation resumed"}
+
+
+def test_sessions_left_beyond_what_replica_changes_strand_are_a_leak():
+    # Target changes at 20, 30, 32, 72 s and draft changes at 50, 64 s, each seen between two
+    # samples 2 s apart and widened by 2 s: 7 one-per-second requests in flight around each.
+    samples, outcomes = _samples(), _outcomes()
+    assert soak.strandable_sessions(samples, outcomes, TARGET, slack_s=2.0) == 4 * 7
+    assert soak.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == 2 * 7
+    assert soak.strandable_sessions(samples, outcomes, ROUTER, slack_s=2.0) == 0
+    report = _analyse(caches=_caches(t3=20, d2=14))  # orphans of rerouted sessions: allowed
+    assert _failed(report) == set()
+    assert report["strandable_sessions"] == {DRAFT: 14, TARGET: 28}
+    detail = report["checks"]["no session leaked"]["detail"]
+    assert detail.startswith("DraftModel: 14 sessions left (3584 bytes) on 1 replicas, <= 14")
+    assert "TargetModel: 20 sessions left (5120 bytes) on 2 replicas, <= 28 strandable" in detail
+    assert _failed(_analyse(caches=_caches(t1=20, t3=9))) == {"no session leaked"}
+    assert _failed(_analyse(caches={TARGET: _caches()[TARGET]})) == {"no session leaked"}
+
+
+def test_a_request_still_in_flight_counts_as_strandable():
+    outcomes = _outcomes(**{"40": dict(end_s=float("nan"))})  # started at 40 s, never ended
+    samples, before = _samples(), soak.strandable_sessions(_samples(), _outcomes(), DRAFT, 2.0)
+    assert soak.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == before + 2
 
 
 def test_nothing_degraded_means_the_draft_kill_was_not_felt():
