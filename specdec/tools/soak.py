@@ -66,8 +66,8 @@ NEW_TOKENS = (16, 32, 48, 64)
 DEFAULT_SCHEDULE = "1@0,6@0.15,1@0.7"
 # Fault times, as fractions of the load's duration.
 KILL_TARGET_AT, KILL_DRAFT_AT, RESTART_DRAFT_AT = 0.30, 0.50, 0.60
-# Autoscaling with delays of seconds (the shipped ones are minutes); the values of
-# tests/integration/test_autoscaling.py, which scale reliably on 2 cores.
+# Autoscaling with delays of seconds (the shipped ones are minutes); tests/integration/
+# test_autoscaling.py uses these too: they scale reliably on 2 cores.
 FAST_AUTOSCALING = dict(
     min_replicas=1,
     max_replicas=2,

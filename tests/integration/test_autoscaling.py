@@ -16,6 +16,7 @@ import pytest
 from specdec import SamplingParams
 from specdec.pairs.tiny import PROMPTS
 from specdec.tools.loadtest import LoadTest, Stage, build_requests, run
+from specdec.tools.soak import FAST_AUTOSCALING
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,15 +27,7 @@ pytestmark = [
 DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
 MAX_NEW_TOKENS = 48
 CONCURRENCY = 6
-FAST = dict(
-    min_replicas=1,
-    max_replicas=2,
-    target_ongoing_requests=2,
-    metrics_interval_s=0.5,
-    look_back_period_s=2,
-    upscale_delay_s=1,
-    downscale_delay_s=4,
-)
+FAST = FAST_AUTOSCALING  # delays of seconds; the soak scales with the same ones
 # The router scales too (6 clients / 3 per replica): its scale-down drains live streams.
 AUTOSCALING = {DRAFT: FAST, TARGET: FAST, ROUTER: {**FAST, "target_ongoing_requests": 3}}
 
