@@ -14,6 +14,7 @@ import yaml
 from local_service import LOCAL_CONFIG, free_port, serving
 
 from specdec import SamplingParams
+from specdec.tools.soak import single_threaded
 
 
 def write_config(
@@ -26,7 +27,9 @@ def write_config(
     """The shipped local config with the tiny pair, free ports and short timeouts.
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
-    replace each named deployment's autoscaling_config fields (the shipped delays are minutes).
+    replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
+    and the model replicas run one OpenMP thread (specdec.tools.soak.TINY_OMP_THREADS: a
+    replica that starts under load is not starved).
     ``args`` replace the application's settings (e.g. dtype="bfloat16").
     """
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
@@ -52,6 +55,7 @@ def write_config(
             deployment["num_replicas"] = 2 if deployment["name"] == "TargetModel" else 1
         else:
             deployment["autoscaling_config"].update(autoscaling.get(deployment["name"], {}))
+            single_threaded(deployment)
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, port

@@ -16,7 +16,7 @@ import pytest
 from specdec import SamplingParams
 from specdec.pairs.tiny import PROMPTS
 from specdec.tools.loadtest import LoadTest, Stage, build_requests, run
-from specdec.tools.soak import FAST_AUTOSCALING
+from specdec.tools.soak import AUTOSCALING
 
 pytestmark = [
     pytest.mark.integration,
@@ -27,9 +27,8 @@ pytestmark = [
 DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
 MAX_NEW_TOKENS = 48
 CONCURRENCY = 6
-FAST = FAST_AUTOSCALING  # delays of seconds; the soak scales with the same ones
-# The router scales too (6 clients / 3 per replica): its scale-down drains live streams.
-AUTOSCALING = {DRAFT: FAST, TARGET: FAST, ROUTER: {**FAST, "target_ongoing_requests": 3}}
+# AUTOSCALING: the soak's delays of seconds, 1..2 replicas each. The router scales too (6
+# clients / 3 per replica): its scale-down drains live streams.
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +81,12 @@ def _replicas(report, stages=None) -> dict[str, list[int]]:
     return {name: [(r["replicas"] or {}).get(name, 0) for r in rows] for name in names}
 
 
+def _explain(report) -> str:
+    """Replica counts, in-flight requests per second and the summary: why nothing scaled."""
+    in_flight = [r["in_flight"] for r in report["per_second"]]
+    return f"replicas {_replicas(report)}; in flight {in_flight}; summary {report['summary']}"
+
+
 def _check_no_loss_and_exact(report, reference) -> None:
     summary = report["summary"]
     assert not report["notes"], report["notes"]
@@ -95,7 +100,7 @@ def _check_no_loss_and_exact(report, reference) -> None:
 def test_verification_only_load_scales_the_target_not_the_draft(autoscaled, reference):
     report = _load(autoscaled, k=0, busy=TARGET)  # k=0: rounds never call the draft
     counts = _replicas(report)
-    assert max(_replicas(report, LOADED)[TARGET]) >= 2, counts
+    assert max(_replicas(report, LOADED)[TARGET]) >= 2, _explain(report)
     assert counts[TARGET][-1] == 1, counts  # back to 1 after the load ended
     assert set(counts[DRAFT]) == {1}, counts
     _check_no_loss_and_exact(report, reference)
@@ -104,6 +109,6 @@ def test_verification_only_load_scales_the_target_not_the_draft(autoscaled, refe
 def test_speculative_load_scales_the_draft(autoscaled, reference):
     report = _load(autoscaled, k=8, busy=DRAFT)  # 8 draft steps per verify: the draft is busy
     counts = _replicas(report)
-    assert max(_replicas(report, LOADED)[DRAFT]) >= 2, counts
+    assert max(_replicas(report, LOADED)[DRAFT]) >= 2, _explain(report)
     assert counts[DRAFT][-1] == 1, counts
     _check_no_loss_and_exact(report, reference)
