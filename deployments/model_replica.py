@@ -77,6 +77,15 @@ class ModelReplica:
         self._report_cache()
         return response
 
+    async def check_health(self) -> None:
+        """Serve's periodic health check (every health_check_period_s); it also expires
+        sessions idle past models.cache_idle_s, so that a replica no call reaches any more
+        frees the caches stranded on it."""
+        dropped = self.side.sessions.expire()
+        if dropped:
+            log.info("expired %d idle session caches", dropped)
+            self._report_cache()
+
     async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         response = self.side.release(request)
         self._report_cache()

@@ -87,6 +87,12 @@ class ModelConfig(_Section):
     replica, or per model in SpeculativeEngine. An evicted session is rebuilt from its token
     ids: slower, never wrong."""
 
+    cache_idle_s: float = 600.0
+    """Seconds after which a session cache no call has used is dropped (0: never): a session
+    stranded on a replica when the replica set changed under its request, or whose release was
+    lost, frees its memory then instead of waiting for the LRU. A live session idle that long
+    is rebuilt from its token ids on its next call."""
+
     fixed_shape_verify: bool | None = None
     """Pad every target decode forward to an exact width, so that greedy output cannot depend
     on k through rounding: the target replica measures at start-up which forward widths give a
@@ -124,6 +130,7 @@ class ModelConfig(_Section):
                 f"int8 runs on the CPU only, device is {self.device!r}",
             )
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
+        _at_least("cache_idle_s", self.cache_idle_s, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,6 +45,7 @@ class SessionEntry:
     committed: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
     prompt_len: int = 0  # leading committed tokens that are the prompt (its prefill's width)
+    last_used_s: float = 0.0  # the store's clock at the last commit
 
     def crop(self, length: int) -> None:
         """Drops KV beyond the first ``length`` cached tokens."""
@@ -75,14 +77,32 @@ class SessionCacheStore:
     tokens it feeds until its commit, which compacts the entry (compact_cache) and evicts least
     recently used entries, this one too when it alone exceeds the capacity.
 
+    An entry not committed for ``idle_s`` seconds is dropped by the next commit or expire(): a
+    session whose release never reached this replica (the replica set changed under a running
+    request, so its later calls and its release went to another replica; a router died) would
+    otherwise hold memory until the LRU reached it. A live session that was idle that long
+    (a stalled client) misses and is rebuilt: slower, never wrong.
+
     Thread-safe for calls of different sessions; calls of one session must not overlap (the round
     loop never overlaps them).
+
+    Raises:
+        ValueError: capacity_bytes <= 0 or idle_s < 0.
     """
 
-    def __init__(self, capacity_bytes: int, new_cache: Callable[[], Cache]) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        new_cache: Callable[[], Cache],
+        idle_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if idle_s < 0:
+            raise ValueError(f"idle_s must be >= 0 (0: never expire), got {idle_s}")
         self.capacity_bytes = capacity_bytes
+        self.idle_s, self._clock = idle_s, clock
         self._new_cache = new_cache
         self._entries: collections.OrderedDict[str, SessionEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -92,6 +112,7 @@ class SessionCacheStore:
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.evictions = 0
         self.rebuilds = 0
+        self.expirations = 0
 
     def checkout(self, session: worker_pb2.SessionTokens) -> ActiveSession | None:
         """Resolves a call's session; ``None`` when the entry cannot continue it (a miss).
@@ -135,13 +156,35 @@ class SessionCacheStore:
                 return
             old = self._entries.pop(active.session_id, None)
             self._bytes -= old.nbytes if old is not None else 0
-            entry.nbytes = size
+            entry.nbytes, entry.last_used_s = size, self._clock()
             self._entries[active.session_id] = entry
             self._bytes += size
             while self._bytes > self.capacity_bytes and self._entries:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
                 self.evictions += 1
+            self._expire_locked()
+
+    def expire(self) -> int:
+        """Drops the entries idle for more than ``idle_s`` seconds (none when idle_s is 0);
+        returns how many. Cheap: the LRU order is commit order, so only expired entries are
+        visited."""
+        with self._lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        if not self.idle_s:
+            return 0
+        horizon, dropped = self._clock() - self.idle_s, 0
+        while self._entries:
+            session_id, oldest = next(iter(self._entries.items()))
+            if oldest.last_used_s >= horizon:
+                break
+            del self._entries[session_id]
+            self._bytes -= oldest.nbytes
+            dropped += 1
+        self.expirations += dropped
+        return dropped
 
     def release(self, session_id: str) -> bool:
         """Drops a session for good; False when it was not held."""

@@ -21,7 +21,8 @@ class SessionModel:
     Args:
         loaded: the model and tokenizer.
         config: its models.cache_capacity_bytes bounds the session LRU, in bytes of the storage
-            its key and value tensors hold (specdec.models.kv_cache.cache_nbytes).
+            its key and value tensors hold (specdec.models.kv_cache.cache_nbytes), and
+            models.cache_idle_s expires idle sessions.
         calibration: what the replica measured on its device at start-up
             (specdec.models.calibration), kept for reporting; None when not measured.
     """
@@ -32,7 +33,9 @@ class SessionModel:
         self.loaded = loaded
         self.calibration = calibration
         self.sessions = SessionCacheStore(
-            config.models.cache_capacity_bytes, lambda: DynamicCache(config=loaded.model.config)
+            config.models.cache_capacity_bytes,
+            lambda: DynamicCache(config=loaded.model.config),
+            idle_s=config.models.cache_idle_s,
         )
 
     @contextlib.contextmanager

@@ -25,6 +25,7 @@ from specdec.models.kv_cache import (
     compact_cache,
 )
 from specdec.pairs.tiny import PROMPTS
+from specdec.v1 import worker_pb2
 
 SESSIONS = 1000
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
@@ -206,3 +207,52 @@ def test_a_thousand_short_sessions_stay_under_the_bound_and_leave_nothing(
         stats = side.cache_stats()
         assert (stats.sessions, stats.bytes) == (0, 0)
         assert _store_real_bytes(side.sessions) == 0
+
+
+class _Clock:
+    """A settable clock for SessionCacheStore's idle expiry."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sessions_idle_past_idle_s_expire_and_their_next_call_rebuilds():
+    """A stranded session (its release went to another replica) frees its memory after idle_s,
+    while a session used within idle_s stays; the expired one's next call misses."""
+    clock = _Clock()
+    store = SessionCacheStore(10**6, DynamicCache, idle_s=100, clock=clock)
+    _commit(store, "stranded", _filled_cache(30, seed=5), 30)
+    _commit(store, "live", _filled_cache(20, seed=6), 20)
+    clock.now = 60
+    live = _filled_cache(21, seed=7)
+    _commit(store, "live", live, 21)
+    clock.now = 100
+    assert store.expire() == 0  # idle exactly idle_s: kept
+    clock.now = 100.5
+    assert store.expire() == 1
+    stats = store.stats()
+    assert (stats.sessions, stats.bytes) == (1, _real_bytes([live]))
+    tokens = worker_pb2.SessionTokens(session_id="stranded", prefix_len=1, new_token_ids=[3])
+    assert store.checkout(tokens) is None and store.stats().rebuilds == 1
+    assert store.expirations == 1
+
+
+def test_a_commit_expires_idle_sessions_too_and_idle_s_0_never_expires():
+    clock = _Clock()
+    expiring = SessionCacheStore(10**6, DynamicCache, idle_s=10, clock=clock)
+    keeping = SessionCacheStore(10**6, DynamicCache, clock=clock)
+    for store in (expiring, keeping):
+        _commit(store, "old", _filled_cache(8), 8)
+    clock.now = 1e6
+    for store in (expiring, keeping):
+        _commit(store, "new", _filled_cache(8), 8)
+    assert expiring.stats().sessions == 1 and keeping.stats().sessions == 2
+    assert keeping.expire() == 0
+
+
+def test_a_negative_idle_s_is_refused():
+    with pytest.raises(ValueError, match="idle_s"):
+        SessionCacheStore(10**6, DynamicCache, idle_s=-1)
