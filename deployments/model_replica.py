@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from specdec.config import SpecdecConfig
+from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.models.calibration import load_calibrated
 from specdec.models.session import SessionModel
@@ -38,6 +39,7 @@ class ModelReplica:
     """
 
     def __init__(self, side_cls: type[SessionModel], side: str, config: SpecdecConfig) -> None:
+        route_specdec_logs()  # the calibration's measurements
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="model"
         )

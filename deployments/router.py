@@ -56,6 +56,7 @@ from specdec.decoding.stopping import Delta
 from specdec.deployments import health
 from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
+from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import RouterMetrics
 from specdec.errors import InvalidRequestError, MalformedRequest
 from specdec.models.calibration import cost_prior
@@ -245,6 +246,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     def __init__(
         self, draft: DeploymentHandle, target: DeploymentHandle, config: SpecdecConfig
     ) -> None:
+        route_specdec_logs()  # the draft pool's availability changes
         self.config = config
         self.tokenizer = load_tokenizer(config.models.target_model)
         check_same_tokenizer(load_tokenizer(config.models.draft_model), self.tokenizer)

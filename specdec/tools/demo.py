@@ -2,16 +2,17 @@
 
 1. Joins, verifies and converts the bundled pair once (progress bars; seconds when cached).
 2. Starts the local three-node cluster, unless one is running (then it is used and left up).
-3. Deploys deployments/config/local.yaml: target bfloat16, draft int8.
+3. Deploys deployments/config/local.yaml: dtype auto (each replica measures its candidates at
+   start-up and reports what it chose; the bench header prints it).
 4. Streams two real prompts through gRPC, each as a chat message: one coding, one general.
 5. Sends one short chat completion through the OpenAI-compatible HTTP API (port 8000) and
    prints its text and usage.
 6. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
    plot go to ``--out`` (default ``bench-results/``). Besides the service at k = 0 and
    speculative, it runs plain_generate (the target alone, transformers generate, fastest dtype
-   here: the baseline of ``vs plain``) and HF assisted generation (transformers' default
-   assistant settings); the in-process engine and the assistant-settings search are skipped to
-   keep `make run` short (`specdec bench` runs both by default).
+   here: the baseline of ``vs plain``); HF assisted generation (transformers' default
+   assistant settings) only with ``--hf``, and no in-process engine, to keep `make run` short
+   (`specdec bench` runs both by default, HF at its best settings).
 7. Stops exactly the cluster it started, whatever happened (a cluster that was already running
    is used, redeployed with local.yaml, and left running).
 """
@@ -49,6 +50,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="new tokens per benchmark prompt; the streamed answers get twice as many (default 64)",
     )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and plot")
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="also run HF assisted generation with its default settings (on an AVX2-only CPU "
+        "that took 14.6 of make run's 32.5 minutes; `specdec bench` runs it at its best)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,8 +161,8 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
     """The arguments of the demo's `specdec bench` run, parsed by bench's own parser (so a bench
     flag added or made required shows here, and in a unit test, not minutes into `make run`):
     the first args.limit HumanEval prompts, args.max_new_tokens new tokens, greedy, adaptive k,
-    plain_generate and HF assisted (default settings) but no in-process engine, JSON and plot
-    under args.out."""
+    plain_generate, HF assisted (default settings) only with args.hf, no in-process engine,
+    JSON and plot under args.out."""
     from specdec.tools import bench
 
     out = Path(args.out)
@@ -176,6 +183,7 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
             "--timeout=900",
             f"--json={out / 'make-run.json'}",
             f"--plot={out / 'make-run.png'}",
+            *([] if args.hf else ["--no-hf"]),
         ]
     )
 

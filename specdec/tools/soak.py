@@ -82,11 +82,6 @@ AUTOSCALING = {
     TARGET: FAST_AUTOSCALING,
     ROUTER: {**FAST_AUTOSCALING, "target_ongoing_requests": 3},
 }
-# The tiny models' replicas run one OpenMP thread: they gain nothing from a second, and a busy
-# replica whose two threads held both cores starved one that was starting (on the AVX2-only
-# machine a TargetModel replica took 105 s to initialise under 6 streams, 10 s idle), so a
-# scale-up came after the load had ended.
-TINY_OMP_THREADS = "1"
 # The router's timeouts of tests/integration/conftest.py: a lost replica or node is noticed in
 # seconds, so a soak of minutes sees the recovery, not the wait.
 SHORT_TIMEOUTS = dict(call_timeout_s=5, unavailable_after_s=8, draft_timeout_s=3, draft_retry_s=0.5)
@@ -724,18 +719,9 @@ def write_serve_config(workdir: Path, draft: Path, target: Path, dtype: str) -> 
     )
     for deployment in app["deployments"]:
         deployment["autoscaling_config"].update(AUTOSCALING[deployment["name"]])
-        single_threaded(deployment)
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, grpc_port
-
-
-def single_threaded(deployment: dict) -> None:
-    """Sets a model deployment's OMP_NUM_THREADS (in the shipped config's runtime_env) to
-    TINY_OMP_THREADS; the router, which sets none, is left alone."""
-    env = deployment.get("ray_actor_options", {}).get("runtime_env", {}).get("env_vars", {})
-    if "OMP_NUM_THREADS" in env:
-        env["OMP_NUM_THREADS"] = TINY_OMP_THREADS
 
 
 # ---------------------------------------------------------------------- runtime (Ray)

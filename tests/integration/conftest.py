@@ -14,7 +14,6 @@ import yaml
 from local_service import LOCAL_CONFIG, free_port, serving
 
 from specdec import SamplingParams
-from specdec.tools.soak import single_threaded
 
 
 def write_config(
@@ -28,8 +27,7 @@ def write_config(
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
-    and the model replicas run one OpenMP thread (specdec.tools.soak.TINY_OMP_THREADS: a
-    replica that starts under load is not starved).
+    and the model replicas run one OpenMP thread (_single_threaded).
     ``args`` replace the application's settings (e.g. dtype="bfloat16").
     """
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
@@ -55,10 +53,20 @@ def write_config(
             deployment["num_replicas"] = 2 if deployment["name"] == "TargetModel" else 1
         else:
             deployment["autoscaling_config"].update(autoscaling.get(deployment["name"], {}))
-            single_threaded(deployment)
+            _single_threaded(deployment)
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, port
+
+
+def _single_threaded(deployment: dict) -> None:
+    """One OpenMP thread for a model deployment (the router sets none). The tiny models gain
+    nothing from a second, and a busy replica whose two threads held both cores starved one that
+    was starting: on the AVX2-only machine a TargetModel replica took 105 s to initialise under
+    6 streams (10 s idle), so the scale-up came after the load had ended."""
+    env = deployment.get("ray_actor_options", {}).get("runtime_env", {}).get("env_vars", {})
+    if "OMP_NUM_THREADS" in env:
+        env["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")

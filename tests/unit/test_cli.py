@@ -87,7 +87,7 @@ def test_demo_bench_arguments_parse_with_bench_parser():
         k=None,
         no_plain=False,
         no_engine=True,
-        no_hf=False,
+        no_hf=True,
         no_hf_tune=True,
         device="auto",
         timeout=900.0,
@@ -97,6 +97,8 @@ def test_demo_bench_arguments_parse_with_bench_parser():
     bench_parser = argparse.ArgumentParser()
     bench.add_cli_args(bench_parser)
     assert set(vars(args)) == set(vars(bench_parser.parse_args([])))
+    with_hf = demo.bench_args("127.0.0.1:9000", parser.parse_args(["--hf"]))
+    assert not with_hf.no_hf and with_hf.no_hf_tune
 
 
 def test_shared_argument_types():
