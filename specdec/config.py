@@ -30,7 +30,7 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
-MODEL_DTYPES = ("auto", "float32", "float32+wm", "bfloat16", "float16", "int8")
+MODEL_DTYPES = ("auto", "float32", "float32+wm", "float32+dnnl", "bfloat16", "float16", "int8")
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -66,14 +66,15 @@ class ModelConfig(_Section):
 
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
-    `float32+wm` (float32 with weight-major GEMMs for 2-64 rows, specdec.models.gemm),
-    `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
-    replica measures its forward cost by width in every candidate dtype at start-up (float32
-    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target
-    also `float32+wm`) and runs in the fastest
-    one whose target output stays exact (specdec.models.calibration; GetModelInfo
-    reports what it measured). A bundled model is stored once in bfloat16 (float16 has its
-    own conversion) and loaded from there in any dtype."""
+    `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
+    oneDNN's reordered weights; CPU only; both in specdec.models.gemm), `bfloat16`, `float16`
+    or `int8` (CPU only). `auto` (the shipped configs' choice): each replica measures its
+    forward cost by width in every candidate dtype at start-up (float32, `float32+dnnl` and
+    bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target also
+    `float32+wm`) and runs in the fastest one whose target output stays exact
+    (specdec.models.calibration; GetModelInfo reports what it measured). A bundled model is
+    stored once in bfloat16 (float16 has its own conversion) and loaded from there in any
+    dtype."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
@@ -123,12 +124,13 @@ class ModelConfig(_Section):
             f"must be cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
         )
         if not self.device.startswith("cpu"):
-            int8 = "dtype" if self.dtype == "int8" else "draft_dtype"
-            _require(
-                int8,
-                "int8" not in (self.dtype, self.draft_dtype),
-                f"int8 runs on the CPU only, device is {self.device!r}",
-            )
+            for name in ("dtype", "draft_dtype"):
+                value = getattr(self, name)
+                _require(
+                    name,
+                    value not in ("int8", "float32+dnnl"),
+                    f"{value} runs on the CPU only, device is {self.device!r}",
+                )
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
 

@@ -30,7 +30,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -42,7 +42,7 @@ from specdec.models.fixed_shape import (
     use_row_wise_attention,
     whole_forward_exact,
 )
-from specdec.models.gemm import WEIGHT_MAJOR, set_weight_major, split_candidate
+from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR, onednn_available, set_gemm, split_candidate
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,18 @@ TYPICAL_NEW_TOKENS = 128
 CLASS_ACCEPTANCES = (0.0, 0.5, 0.7, 0.9)
 DRAFT_WIDTHS = 3  # a draft forward is one row (a draft step) or two or three (catch-up)
 EXTRA_WIDTHS = 4  # widths measured past k_max + 1: a wider forward may cost less
-SLOWER_CUTOFF = 1.5  # a candidate this much slower at 1 and at max_width rows is not finished
+# A candidate whose prediction from a few widths (1, powers of two, the widest; the rest
+# interpolated) is this much slower than the best so far is not measured further: it cannot win,
+# and on an emulating CPU each forward costs seconds.
+SLOWER_CUTOFF = 1.25
 # A later candidate replaces the first usable one (float32 on a CPU, bfloat16 on a GPU) only
 # when predicted this much faster: on a busy host, timings of near-equal candidates swapped
 # (the bundled target chose float32+wm in one run and float32 in the next).
 CHOICE_MARGIN = 0.1
+# Each cost is the minimum of this many timings, in passes over all widths: with one timing,
+# a busy 2-core host put the bundled target in bfloat16 (whose 32-token prefill then took 4x
+# float32's) in one run and float32 in the next.
+TIMING_REPEATS = 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -155,14 +162,23 @@ class Calibration:
 
 
 def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
-    """The dtypes ``auto`` tries: float32 and bfloat16 (a CPU), bfloat16 and float16 (a GPU);
-    a CPU target also float32 with weight-major GEMMs ("float32+wm", specdec.models.gemm: its
-    verify widths cost less on some CPUs), a CPU draft also int8 (its output never depends on
-    the draft's numerics)."""
-    if torch.device(device).type == "cpu":
-        extra = [INT8] if role == "draft" else ["float32" + WEIGHT_MAJOR]
-        return ["float32", *extra, "bfloat16"]
-    return ["bfloat16", "float16"]
+    """The dtypes ``auto`` tries, in order: float32 and bfloat16 (a CPU), bfloat16 and float16
+    (a GPU); on a CPU also float32 with oneDNN's reordered weights ("float32+dnnl",
+    specdec.models.gemm; where the build has it), a target also float32 with weight-major GEMMs
+    ("float32+wm"), a draft also int8 (its output never depends on the draft's numerics).
+
+    The order matters twice: the first candidate is the default that a later one must beat by
+    CHOICE_MARGIN, and a candidate measured after a much faster one is cut short
+    (SLOWER_CUTOFF), so the likely winner comes first: a target's "+dnnl" (the 2-core AVX2
+    EPYC: bundled target 37 s per typical request against float32's 72 s; every width exact). A
+    draft's comes last: int8 quantization finds the Linear layers by type, which "+dnnl"
+    changes."""
+    if torch.device(device).type != "cpu":
+        return ["bfloat16", "float16"]
+    onednn = ["float32" + ONEDNN] if onednn_available() else []
+    if role == "draft":
+        return ["float32", INT8, "bfloat16", *onednn]
+    return [*onednn, "float32", "float32" + WEIGHT_MAJOR, "bfloat16"]
 
 
 def load_calibrated(
@@ -253,15 +269,25 @@ def calibrate(
     needs_exact = target and exact_widths
     max_width = max_speculative_tokens + 1 + EXTRA_WIDTHS if target else DRAFT_WIDTHS
     results: list[tuple[DtypeMeasurement, torch.nn.Module]] = []
+    rows_hint = max_speculative_tokens + 1 if target else 1
     for dtype in dtypes:
-        base, weight_major = split_candidate(dtype)
+        base, gemm = split_candidate(dtype)
+        set_gemm(loaded.model, "")  # plain weights again: a cast deep-copies them
         model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
-        set_weight_major(model, weight_major)  # float32 and float32+wm share one model
+        set_gemm(model, gemm, rows_hint)  # the float32 candidates share one model
         if needs_exact:
             use_row_wise_attention(model)
         usable = [r for r, _ in results if r.exact is not None or not needs_exact]
         best = min(usable, key=lambda r: r.predicted_s, default=None)
-        measured = _measure(model, loaded.vocab_size, dtype, needs_exact, max_width, best)
+        measured = _measure(
+            model,
+            loaded.vocab_size,
+            dtype,
+            target=target,
+            exact_widths=needs_exact,
+            max_width=max_width,
+            best=best,
+        )
         measured = dataclasses.replace(
             measured,
             predicted_s=predicted_request_seconds(measured, max_speculative_tokens, target),
@@ -279,7 +305,7 @@ def calibrate(
         results.append((measured, model))
     usable = [r for r in results if r[0].exact is not None or not needs_exact] or results
     chosen, model = _choose(usable)
-    set_weight_major(model, split_candidate(chosen.dtype)[1])
+    set_gemm(model, split_candidate(chosen.dtype)[1], rows_hint)
     calibration = Calibration(
         device=describe_device(loaded.device),
         dtype=chosen.dtype,
@@ -364,6 +390,8 @@ def _measure(
     model: torch.nn.Module,
     vocab_size: int,
     dtype: str,
+    *,
+    target: bool,
     exact_widths: bool,
     max_width: int,
     best: DtypeMeasurement | None,
@@ -373,27 +401,43 @@ def _measure(
     prompt = torch.randint(vocab_size, (1, CACHE_TOKENS), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt[:, :1], cache=cache, use_cache=True, logits_to_keep=1)  # warm-up
-    cache = DynamicCache(config=model.config)
-    prefill_s = _timed(
-        device,
-        lambda: model(
-            input_ids=prompt[:, :PREFILL_TOKENS], cache=cache, use_cache=True, logits_to_keep=1
-        ),
-    )
+    prefill_s, cache = math.inf, None
+    for _ in range(TIMING_REPEATS):
+        seconds, cache = _timed_prefill(model, prompt[:, :PREFILL_TOKENS])
+        prefill_s = min(prefill_s, seconds)
     model(input_ids=prompt[:, PREFILL_TOKENS:], cache=cache, use_cache=True, logits_to_keep=1)
-    costs = _forward_costs(model, cache, vocab_size, max_width, generator, best)
+
+    def hopeless(costs: list[float]) -> bool:
+        guess = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
+        return best is not None and (
+            _optimistic_s(guess, max_width, target) > SLOWER_CUTOFF * best.predicted_s
+        )
+
+    costs = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
     measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed cannot win: skip its (long) exactness measurement.
-    if exact_widths and (best is None or _optimistic_s(measured, max_width) < best.predicted_s):
+    optimistic = _optimistic_s(measured, max_width, target)
+    if exact_widths and (best is None or optimistic < best.predicted_s):
         half = split_candidate(dtype)[0] in ("bfloat16", "float16")
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
         measured = dataclasses.replace(measured, exact=exact)
     return measured
 
 
-def _optimistic_s(measured: DtypeMeasurement, max_width: int) -> float:
-    return predicted_request_seconds(measured, max_width - 1 - EXTRA_WIDTHS, target=True)
+def _timed_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, DynamicCache]:
+    """(seconds, the new cache) of one prefill forward of ``ids`` ([1, n])."""
+    cache = DynamicCache(config=model.config)
+    seconds = _timed(
+        model.device,
+        lambda: model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1),
+    )
+    return seconds, cache
+
+
+def _optimistic_s(measured: DtypeMeasurement, max_width: int, target: bool) -> float:
+    """predicted_request_seconds with every width taken as exact (a target)."""
+    return predicted_request_seconds(measured, max_width - 1 - EXTRA_WIDTHS, target)
 
 
 def _forward_costs(
@@ -402,11 +446,12 @@ def _forward_costs(
     vocab_size: int,
     max_width: int,
     generator: torch.Generator,
-    best: DtypeMeasurement | None,
+    hopeless: Callable[[list[float]], bool],
 ) -> list[float]:
-    """Seconds per forward of 1 .. max_width positions over ``cache``. Widths 1 and max_width
-    come first; when both cost SLOWER_CUTOFF times the best candidate's, the rest are
-    interpolated (that candidate cannot win, and on an emulating CPU each costs seconds)."""
+    """Seconds per forward of 1 .. max_width positions over ``cache``: the minimum of
+    TIMING_REPEATS passes over all widths. Width 1, the powers of two and max_width come first;
+    when ``hopeless`` says so of their costs, with the other widths interpolated, that estimate
+    is returned as it is."""
     device = model.device
 
     def cost(width: int) -> float:
@@ -417,17 +462,32 @@ def _forward_costs(
         cache.crop(-width)
         return seconds
 
-    measured = {1: cost(1), max_width: cost(max_width)}
-    slower = best is not None and all(
-        measured[w] > SLOWER_CUTOFF * best.forward_s[w - 1] for w in (1, max_width)
+    coarse = sorted(
+        {1, max_width, *(2**i for i in range(max_width.bit_length()))}
+        & set(range(1, max_width + 1))
     )
-    for width in range(2, max_width):
-        if slower:
-            share = (width - 1) / (max_width - 1)
-            measured[width] = measured[1] + share * (measured[max_width] - measured[1])
-        else:
-            measured[width] = cost(width)
+    measured = {width: cost(width) for width in coarse}
+    estimate = _interpolated(measured, max_width)
+    if hopeless(estimate):
+        return estimate
+    for repeat in range(TIMING_REPEATS):  # passes, so a busy spell spares some timings
+        for width in range(1, max_width + 1):
+            if repeat > 0 or width not in coarse:
+                measured[width] = min(measured.get(width, math.inf), cost(width))
     return [measured[w] for w in range(1, max_width + 1)]
+
+
+def _interpolated(measured: dict[int, float], max_width: int) -> list[float]:
+    """Costs of widths 1 .. max_width, linear between the measured ones (which include 1 and
+    max_width)."""
+    known = sorted(measured)
+    out = []
+    for width in range(1, max_width + 1):
+        low = max(w for w in known if w <= width)
+        high = min(w for w in known if w >= width)
+        share = 0.0 if high == low else (width - low) / (high - low)
+        out.append(measured[low] + share * (measured[high] - measured[low]))
+    return out
 
 
 def _exact_widths(

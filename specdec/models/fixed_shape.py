@@ -127,12 +127,14 @@ def measure_width_classes(
     layers: dict[tuple, torch.nn.Linear] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            layers.setdefault((tuple(module.weight.shape), module.weight.dtype), module)
+            # By features, not weight.shape: a "+dnnl" layer's plain weight may be freed.
+            key = (module.out_features, module.in_features, module.weight.dtype)
+            layers.setdefault(key, module)
     widths = range(1, max_width + 1)
     same = {(a, b): True for a in widths for b in widths if a < b}
     invariant = dict.fromkeys(widths, True)
     for layer in layers.values():
-        trials = min(max_trials, max(1, -(-elements // (layer.weight.shape[0] * max_width))))
+        trials = min(max_trials, max(1, -(-elements // (layer.out_features * max_width))))
         for _ in range(trials):
             _compare_widths(layer, max_width, generator, same, invariant)
     classes: list[list[int]] = []
@@ -155,7 +157,7 @@ def _compare_widths(
 ) -> None:
     """One trial of measure_width_classes on one layer; clears the flags it disproves."""
     weight = layer.weight
-    rows = torch.randn(1, max_width, weight.shape[1], generator=generator)
+    rows = torch.randn(1, max_width, layer.in_features, generator=generator)
     rows = rows.to(dtype=weight.dtype, device=weight.device)
     outputs = {}
     for width in range(1, max_width + 1):

@@ -1,57 +1,108 @@
-"""Which GEMM a linear layer runs for a few rows: a start-up calibration candidate.
+"""Which GEMM a linear layer runs: a start-up calibration candidate.
 
 ``F.linear`` computes x @ W^T. On CPUs the BLAS picks its code path by the shape, and for a
 handful of rows that path is far from flat: one 2-core AVX-512 Xeon's float32 MLP projection of
-Qwen2.5-1.5B (8960 x 1536) took 1.2 ms at 1-3 rows, 2.7 ms at 4, 7.0 ms at 13 and 4.3 ms at 16,
-while the same product computed weight-major, W @ x^T, took 3.0-3.9 ms at every width from 2 to
-16 (its whole MLP: 20 ms against 11 ms at 13 rows). A verify forward is exactly such a handful of
-rows, so the target's calibration measures both (specdec.models.calibration, the candidate
-``float32+wm``) and keeps the faster one that stays exact: which widths give a row bitwise the
-same result is measured with the chosen GEMM, like everything else.
+Qwen2.5-1.5B (8960 x 1536) took 1.2 ms at 1-3 rows, 2.7 ms at 4, 7.0 ms at 13 and 4.3 ms at 16.
+A verify forward is exactly such a handful of rows, so a CPU target's calibration
+(specdec.models.calibration) also measures two other ways to compute the same product, and
+keeps the fastest that stays exact (which widths give a row bitwise the same result is measured
+with the chosen GEMM, like everything else):
 
-One row (plain decoding, a GEMV either way) and wide calls (a prompt's prefill) always use
-F.linear.
+- ``float32+wm`` (weight-major): W @ x^T for 2 .. WEIGHT_MAJOR_MAX_ROWS rows, F.linear
+  otherwise. The Xeon above: 3.0-3.9 ms at every width 2-16.
+- ``float32+dnnl``: oneDNN's inner product on a weight reordered once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
+  freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.tools.gemm_bench`)
+  the projection took 3.9 ms at 1 row and 6.3 ms at 13 against F.linear's 5.2 and 16.6, every
+  width 1-17 rounding a row the same way; the 151936-row lm_head took 112 ms at 13 rows against
+  343-397 ms. The reordered weight replaces the plain one (same bytes), except where another
+  module shares it (a tied lm_head keeps the embedding's and adds its reordered copy).
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn.functional as F
 
-WEIGHT_MAJOR = "+wm"  # the suffix of a calibration candidate whose linear layers run W @ x^T
+WEIGHT_MAJOR = "+wm"  # the suffix of a candidate whose linear layers run W @ x^T
+ONEDNN = "+dnnl"  # the suffix of a candidate whose linear layers run oneDNN on reordered weights
 WEIGHT_MAJOR_MAX_ROWS = 64  # wider calls (prefills) keep F.linear, which is as fast there
 
 
-class SwitchableLinear(torch.nn.Linear):
-    """An nn.Linear that computes 2 .. WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T while
-    ``weight_major`` is set; same parameters, same output shape [..., out_features]."""
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's reordered-weight linear (CPU builds do)."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
 
-    weight_major = False
+
+class SwitchableLinear(torch.nn.Linear):
+    """An nn.Linear whose product runs the GEMM ``gemm`` names: "" (F.linear), "+wm" (2 ..
+    WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T) or "+dnnl" (oneDNN on ``packed``, the weight
+    reordered). Same parameters, same output shape [..., out_features]."""
+
+    gemm = ""
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.numel() // x.shape[-1]
-        if not self.weight_major or not 1 < rows <= WEIGHT_MAJOR_MAX_ROWS:
+        if self.gemm != WEIGHT_MAJOR or not 1 < rows <= WEIGHT_MAJOR_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def use(self, gemm: str, rows_hint: int, shared: bool) -> None:
+        """Switches to ``gemm``. Entering "+dnnl" reorders the weight for calls of about
+        ``rows_hint`` rows and, unless the weight is ``shared`` with another module, frees the
+        plain copy; leaving it restores the plain weight bitwise (a reorder only moves values)."""
+        if gemm == ONEDNN and self.packed is None:
+            weight = self.weight.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+            if not shared:
+                self.weight.data = weight.new_empty(0)
+        elif gemm != ONEDNN and self.packed is not None:
+            if self.weight.numel() == 0:
+                self.weight.data = self.packed.to_dense()
+            self.packed = None
+        self.gemm = gemm
 
-def set_weight_major(model: torch.nn.Module, enabled: bool) -> None:
-    """Sets ``weight_major`` on the model's linear layers; enabling first makes every plain
-    nn.Linear a SwitchableLinear (in place: the same parameters). Disabling never changes a
-    class, so a model that never enabled it keeps plain nn.Linear layers (which dynamic int8
-    quantization recognises by type). Quantized and other Linear subclasses are left alone."""
+
+def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
+    """Runs the model's linear layers on ``gemm`` ("", WEIGHT_MAJOR or ONEDNN), in place.
+
+    Any gemm but "" first makes every plain nn.Linear a SwitchableLinear (same parameters);
+    "" never changes a class, so a model that never switched keeps plain nn.Linear layers (which
+    dynamic int8 quantization recognises by type). Quantized and other Linear subclasses are
+    left alone. A model in ONEDNN holds reordered weights, which cannot be deep-copied: switch
+    back to "" first.
+
+    Args:
+        rows_hint: the row count ONEDNN's reorder is tuned for (a target: k_max + 1).
+    Raises:
+        ValueError: an unknown gemm.
+    """
+    if gemm not in ("", WEIGHT_MAJOR, ONEDNN):
+        raise ValueError(f"gemm must be '', {WEIGHT_MAJOR!r} or {ONEDNN!r}, got {gemm!r}")
+    holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
-        if enabled and type(module) is torch.nn.Linear:
+        if gemm and type(module) is torch.nn.Linear:
             module.__class__ = SwitchableLinear
         if isinstance(module, SwitchableLinear):
-            module.weight_major = enabled
+            module.use(gemm, rows_hint, shared=holders[id(module.weight)] > 1)
 
 
-def split_candidate(candidate: str) -> tuple[str, bool]:
-    """("float32", True) for "float32+wm": the dtype and whether the GEMMs are weight-major."""
-    if candidate.endswith(WEIGHT_MAJOR):
-        return candidate.removesuffix(WEIGHT_MAJOR), True
-    return candidate, False
+def split_candidate(candidate: str) -> tuple[str, str]:
+    """("float32", "+wm") for "float32+wm", ("bfloat16", "") for "bfloat16": the dtype and
+    the GEMM suffix."""
+    for suffix in (WEIGHT_MAJOR, ONEDNN):
+        if candidate.endswith(suffix):
+            return candidate.removesuffix(suffix), suffix
+    return candidate, ""

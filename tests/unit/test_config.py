@@ -127,12 +127,13 @@ def test_a_bad_value_is_refused_naming_the_setting(key, value):
     assert isinstance(err.value, ValueError)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float32+dnnl"])
 @pytest.mark.parametrize("dtype_key", ["dtype", "draft_dtype"])
-def test_int8_off_the_cpu_is_refused(dtype_key):
+def test_cpu_only_dtypes_off_the_cpu_are_refused(dtype_key, dtype):
     with pytest.raises(ConfigError) as err:
-        SpecdecConfig.from_args({**BASE, "device": "cuda:0", dtype_key: "int8"})
-    assert err.value.field == dtype_key and "CPU only" in str(err.value)
-    SpecdecConfig.from_args({**BASE, "device": "cpu", dtype_key: "int8"})
+        SpecdecConfig.from_args({**BASE, "device": "cuda:0", dtype_key: dtype})
+    assert err.value.field == dtype_key and f"{dtype} runs on the CPU only" in str(err.value)
+    SpecdecConfig.from_args({**BASE, "device": "cpu", dtype_key: dtype})
 
 
 def test_unknown_keys_are_refused_naming_them():
@@ -208,11 +209,11 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
     from specdec.models.calibration import AUTO
-    from specdec.models.gemm import WEIGHT_MAJOR
+    from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
-    weight_major = {"float32" + WEIGHT_MAJOR}
-    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | weight_major
+    gemms = {"float32" + WEIGHT_MAJOR, "float32" + ONEDNN}
+    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | gemms
 
 
 def test_the_config_module_imports_neither_ray_nor_torch_nor_the_engine():

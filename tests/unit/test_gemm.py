@@ -1,4 +1,5 @@
-"""Weight-major GEMMs (specdec.models.gemm): a calibration candidate that must stay exact."""
+"""Weight-major and oneDNN GEMMs (specdec.models.gemm): calibration candidates that must stay
+exact."""
 
 from __future__ import annotations
 
@@ -7,58 +8,96 @@ import torch
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.models.calibration import calibrate, candidate_dtypes
-from specdec.models.gemm import SwitchableLinear, set_weight_major, split_candidate
+from specdec.models.gemm import (
+    ONEDNN,
+    WEIGHT_MAJOR,
+    SwitchableLinear,
+    onednn_available,
+    set_gemm,
+    split_candidate,
+)
 from specdec.models.loading import load_model
 from specdec.pairs.tiny import PROMPTS
 
+GEMMS = [WEIGHT_MAJOR, ONEDNN] if onednn_available() else [WEIGHT_MAJOR]
 
-def test_weight_major_linear_computes_the_same_product():
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_switched_linear_computes_the_same_product(gemm):
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 40)
     model = torch.nn.Sequential(layer)
     inputs = {w: torch.randn(1, w, 48) for w in (1, 3, 16, 100)}
     plain = {w: layer(x) for w, x in inputs.items()}
-    set_weight_major(model, True)
-    assert type(layer) is SwitchableLinear and layer.weight_major
+    weight = layer.weight.detach().clone()
+    set_gemm(model, gemm, rows_hint=5)
+    assert type(layer) is SwitchableLinear and layer.gemm == gemm
     for width, x in inputs.items():
         out = layer(x)
         assert out.shape == plain[width].shape == (1, width, 40)
         torch.testing.assert_close(out, plain[width], rtol=1e-5, atol=1e-5)
-    set_weight_major(model, False)
+    set_gemm(model, "")
+    assert torch.equal(layer.weight, weight)  # oneDNN's reorder is undone bitwise
     for width, x in inputs.items():
         assert torch.equal(layer(x), plain[width])  # F.linear again, bitwise
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
+def test_onednn_frees_a_plain_weight_unless_another_module_shares_it():
+    embedding = torch.nn.Embedding(40, 48)
+    alone, tied = torch.nn.Linear(48, 48), torch.nn.Linear(48, 40, bias=False)
+    tied.weight = embedding.weight
+    model = torch.nn.ModuleList([embedding, alone, tied])
+    set_gemm(model, ONEDNN, rows_hint=4)
+    assert alone.weight.numel() == 0 and alone.packed is not None  # the reorder replaces it
+    assert tied.weight is embedding.weight and tied.weight.shape == (40, 48)  # still tied
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(tied(x), x @ embedding.weight.t(), rtol=1e-5, atol=1e-5)
+    set_gemm(model, WEIGHT_MAJOR)
+    assert alone.packed is None and alone.weight.shape == (48, 48)
+
+
+def test_an_unknown_gemm_is_refused():
+    with pytest.raises(ValueError, match="gemm must be"):
+        set_gemm(torch.nn.Sequential(torch.nn.Linear(2, 2)), "+blas")
+
+
 def test_disabling_never_swaps_a_plain_linear():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    set_weight_major(model, False)
+    set_gemm(model, "")
     assert type(model[0]) is torch.nn.Linear  # int8 quantization finds it by type
 
 
 def test_candidates_name_dtype_and_gemm():
-    assert split_candidate("float32+wm") == ("float32", True)
-    assert split_candidate("bfloat16") == ("bfloat16", False)
-    assert "float32+wm" in candidate_dtypes("target", "cpu")
-    assert "float32+wm" not in candidate_dtypes("draft", "cpu")
+    assert split_candidate("float32+wm") == ("float32", WEIGHT_MAJOR)
+    assert split_candidate("float32+dnnl") == ("float32", ONEDNN)
+    assert split_candidate("bfloat16") == ("bfloat16", "")
+    target, draft = candidate_dtypes("target", "cpu"), candidate_dtypes("draft", "cpu")
+    assert "float32+wm" in target and "float32+wm" not in draft
+    if onednn_available():
+        assert "float32+dnnl" in target and draft[-1] == "float32+dnnl"  # after int8's cast
+    assert "float32+dnnl" not in candidate_dtypes("target", "cuda")
 
 
-@pytest.fixture(scope="module")
-def weight_major_target(tiny_pair):
-    """The tiny target calibrated as the weight-major candidate alone."""
+@pytest.fixture(scope="module", params=GEMMS)
+def switched_target(request, tiny_pair):
+    """The tiny target calibrated as one float32 GEMM candidate alone."""
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    return calibrate(loaded, "target", ["float32+wm"], max_speculative_tokens=4, automatic=False)
+    candidate = "float32" + request.param
+    return calibrate(loaded, "target", [candidate], max_speculative_tokens=4, automatic=False)
 
 
-def test_weight_major_target_has_measured_exact_widths(weight_major_target):
-    loaded, calibration = weight_major_target
-    assert calibration.dtype == "float32+wm" and calibration.chosen.exact is not None
+def test_a_switched_target_has_measured_exact_widths(switched_target):
+    loaded, calibration = switched_target
+    gemm = split_candidate(calibration.dtype)[1]
+    assert gemm and calibration.chosen.exact is not None
     linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is SwitchableLinear and m.weight_major for m in linears)
+    assert linears and all(type(m) is SwitchableLinear and m.gemm == gemm for m in linears)
 
 
-def test_weight_major_speculation_equals_its_target_alone(tiny_pair, weight_major_target):
+def test_a_switched_target_speculates_exactly(tiny_pair, switched_target):
     """Greedy exactness with the chosen GEMM: any k gives the target-alone tokens, bitwise."""
-    loaded, calibration = weight_major_target
+    loaded, calibration = switched_target
     draft = load_model(str(tiny_pair[0]), dtype="float32")
     engine = SpeculativeEngine(
         draft, loaded, max_speculative_tokens=4, calibrations={"target": calibration}

@@ -41,6 +41,7 @@ class _RowsApart(torch.nn.Linear):
         torch.nn.Module.__init__(self)  # a Linear to the calibration, without new weights
         self.inner, self.apart, self.whole = inner, apart, whole
         self.weight, self.bias = inner.weight, inner.bias
+        self.in_features, self.out_features = inner.in_features, inner.out_features
 
     def forward(self, x):
         out = self.inner(x)
