@@ -1,0 +1,56 @@
+"""How the start-up calibration times candidates (specdec.models.calibration): repeated passes,
+and candidates cut short once a few widths show they cannot win."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.models import calibration
+from specdec.models.loading import load_model
+
+
+def test_unmeasured_widths_are_linear_between_measured_ones():
+    assert calibration._interpolated({1: 1.0, 4: 4.0, 8: 2.0}, 8) == [
+        1.0, 2.0, 3.0, 4.0, 3.5, 3.0, 2.5, 2.0
+    ]  # fmt: skip
+
+
+def test_each_cost_is_the_minimum_of_its_passes(tiny_pair, monkeypatch):
+    """A forward of w positions is timed 10 w + 5 s on its odd-numbered calls and 10 w s on its
+    even ones: a cost is 10 w only if each width was timed more than once and the minimum kept."""
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    real_forward, calls = loaded.model.forward, {}
+
+    def counting_forward(*args, input_ids, **kwargs):
+        counting_forward.width = width = input_ids.shape[1]
+        calls[width] = calls.get(width, 0) + 1
+        return real_forward(*args, input_ids=input_ids, **kwargs)
+
+    def fake_timed(device, fn):
+        fn()
+        width = counting_forward.width
+        return 10.0 * width + (5.0 if calls[width] % 2 else 0.0)
+
+    monkeypatch.setattr(loaded.model, "forward", counting_forward)
+    monkeypatch.setattr(calibration, "_timed", fake_timed)
+    _, result = calibration.calibrate(
+        loaded, "target", ["float32"], max_speculative_tokens=3, automatic=False,
+        exact_widths=False,
+    )  # fmt: skip
+    widths = range(1, len(result.chosen.forward_s) + 1)
+    assert list(result.chosen.forward_s) == [10.0 * w for w in widths]
+    assert result.chosen.prefill_s_per_token == 10.0  # the prefill is repeated too
+
+
+def test_a_candidate_predicted_slower_is_cut_short(tiny_pair, monkeypatch):
+    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)  # every later candidate is hopeless
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    _, result = calibration.calibrate(
+        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
+    )
+    first, cut = result.candidates
+    assert first.exact is not None and cut.exact is None  # no exactness measurement either
+    costs = cut.forward_s  # measured at 1, 2, 4, 8 and the widest (9); 3 and 5-7 interpolated
+    assert costs[2] == pytest.approx((costs[1] + costs[3]) / 2)
+    assert costs[5] == pytest.approx((costs[3] * 2 + costs[7] * 2) / 4)
+    assert result.dtype == "float32"
