@@ -32,7 +32,7 @@ lint: install
 
 # The soak (minutes, a cluster of its own) runs apart: pytest -m soak, or `specdec soak`.
 # --durations: the 25 slowest tests close the output (CI time differs by CPU kind: 20 min on the
-# AVX-512 Xeon, 42 min on the AVX2-only EPYC).
+# AVX-512 Xeon, 35-42 min on the AVX2-only EPYC).
 test: lint
 	$(PY) -m pytest -q -m "not soak" --durations=25
 
