@@ -40,6 +40,19 @@ def onednn_available() -> bool:
         return False
 
 
+def onednn_reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's blocked layout for calls of about ``rows_hint`` rows (an
+    opaque tensor: only onednn_linear and ``to_dense()`` read it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out], with W as onednn_reorder returned it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class SwitchableLinear(torch.nn.Linear):
     """An nn.Linear whose product runs the GEMM ``gemm`` names: "" (F.linear), "+wm" (2 ..
     WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T) or "+dnnl" (oneDNN on ``packed``, the weight
@@ -50,7 +63,7 @@ class SwitchableLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm == ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         rows = x.numel() // x.shape[-1]
         if self.gemm != WEIGHT_MAJOR or not 1 < rows <= WEIGHT_MAJOR_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
@@ -65,7 +78,7 @@ class SwitchableLinear(torch.nn.Linear):
         plain copy; leaving it restores the plain weight bitwise (a reorder only moves values)."""
         if gemm == ONEDNN and self.packed is None:
             weight = self.weight.detach()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+            self.packed = onednn_reorder(weight, rows_hint)
             if not shared:
                 self.weight.data = weight.new_empty(0)
         elif gemm != ONEDNN and self.packed is not None:

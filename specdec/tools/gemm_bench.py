@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.device import describe_device
+from specdec.models.gemm import onednn_available, onednn_linear, onednn_reorder
 from specdec.tools.args import run_standalone
 
 DEFAULT_SHAPE = "8960x1536"  # Qwen2.5-1.5B's MLP up/gate projection: out x in features
@@ -56,12 +57,9 @@ def paths(weight: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], torch
         "F.linear": lambda: F.linear(x, weight),
         "weight-major": lambda: torch.mm(weight, x.t()).t(),
     }
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    try:
-        packed = mkldnn._reorder_linear_weight(weight, x.shape[0])
-        calls["onednn-packed"] = lambda: mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):  # a build without oneDNN's packed linear
-        pass
+    if onednn_available():
+        packed = onednn_reorder(weight, x.shape[0])
+        calls["onednn-packed"] = lambda: onednn_linear(x, packed)
     return calls
 
 
