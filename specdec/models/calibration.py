@@ -434,12 +434,12 @@ def _measure(
             _optimistic_s(guess, max_width, target) > SLOWER_CUTOFF * best.predicted_s
         )
 
-    costs = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
+    costs, cut = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
     measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
-    # width allowed cannot win: skip its (long) exactness measurement.
+    # width allowed (or cut short as hopeless) cannot win: skip its (long) exactness measurement.
     optimistic = _optimistic_s(measured, max_width, target)
-    if exact_widths and (best is None or optimistic < best.predicted_s):
+    if exact_widths and not cut and (best is None or optimistic < best.predicted_s):
         half = split_candidate(dtype)[0] in ("bfloat16", "float16")
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
         measured = dataclasses.replace(measured, exact=exact)
@@ -468,11 +468,11 @@ def _forward_costs(
     max_width: int,
     generator: torch.Generator,
     hopeless: Callable[[list[float]], bool],
-) -> list[float]:
+) -> tuple[list[float], bool]:
     """Seconds per forward of 1 .. max_width positions over ``cache``: the minimum of
     TIMING_REPEATS passes over all widths. Width 1, the powers of two and max_width come first;
     when ``hopeless`` says so of their costs, with the other widths interpolated, that estimate
-    is returned as it is."""
+    is returned as it is. Returns (costs, whether they were cut short)."""
     device = model.device
 
     def cost(width: int) -> float:
@@ -490,12 +490,12 @@ def _forward_costs(
     measured = {width: cost(width) for width in coarse}
     estimate = _interpolated(measured, max_width)
     if hopeless(estimate):
-        return estimate
+        return estimate, True
     for repeat in range(TIMING_REPEATS):  # passes, so a busy spell spares some timings
         for width in range(1, max_width + 1):
             if repeat > 0 or width not in coarse:
                 measured[width] = min(measured.get(width, math.inf), cost(width))
-    return [measured[w] for w in range(1, max_width + 1)]
+    return [measured[w] for w in range(1, max_width + 1)], False
 
 
 def _interpolated(measured: dict[int, float], max_width: int) -> list[float]:
