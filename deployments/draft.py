@@ -24,6 +24,14 @@ class DraftModel(ModelReplica):
 
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(DraftProposer, "draft", config)
+        self._size_batches(self._propose_batch, config)
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
-        return await self._compute("propose", self.side.propose, request)
+        """One session's draft, stepped together with the calls that arrived with it."""
+        return await self._batched(self._propose_batch, request)
+
+    # As TargetModel._verify_batch: the calls that queued while a batch ran share the next one
+    # (DraftProposer.propose_batch steps them together).
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)
+    async def _propose_batch(self, arrivals: list[tuple[float, worker_pb2.ProposeRequest]]) -> list:
+        return await self._compute_batch("propose", self.side.propose_batch, arrivals)

@@ -38,6 +38,7 @@ LATENCY_BOUNDARIES_S = [
     60.0,
 ]
 TOKENS_BOUNDARIES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17]
+BATCH_BOUNDARIES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 class RouterMetrics:
@@ -145,7 +146,7 @@ class RouterMetrics:
 
 
 class ReplicaMetrics:
-    """Cache occupancy and compute time of a draft or target replica."""
+    """Cache occupancy, compute time and batching of a draft or target replica."""
 
     def __init__(self) -> None:
         self.sessions = metrics.Gauge(
@@ -158,6 +159,18 @@ class ReplicaMetrics:
         self.compute = metrics.Histogram(
             "specdec_compute_seconds",
             "Model compute per call, seconds.",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=("method",),
+        )
+        self.batch_size = metrics.Histogram(
+            "specdec_batch_size",
+            "Sessions per batched model call (a batch of 1 ran alone).",
+            boundaries=BATCH_BOUNDARIES,
+            tag_keys=("method",),
+        )
+        self.batch_wait = metrics.Histogram(
+            "specdec_batch_wait_seconds",
+            "Seconds a call waited from its arrival to the start of its batch.",
             boundaries=LATENCY_BOUNDARIES_S,
             tag_keys=("method",),
         )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
-from typing import TypeVar
 
 from specdec.config import SpecdecConfig
 from specdec.deployments.logs import route_specdec_logs
@@ -16,7 +16,6 @@ from specdec.models.session import SessionModel
 from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
-Response = TypeVar("Response")
 
 # Session affinity: calls carrying the same session_id go to the same replica while the replica
 # set is stable; when it changes, the replica that misses answers cache_miss and rebuilds.
@@ -71,13 +70,38 @@ class ModelReplica:
             config.models.cache_capacity_bytes,
         )
 
-    async def _compute(self, method: str, fn: Callable[..., Response], request) -> Response:
-        response = await asyncio.get_running_loop().run_in_executor(self._executor, fn, request)
-        self._metrics.compute.observe(response.compute_s, tags={"method": method})
-        if response.cache_miss:
-            self._metrics.rebuilds.inc()
-        self._report_cache()
+    def _size_batches(self, batched, config: SpecdecConfig) -> None:
+        """Applies models.max_batch_size and batch_wait_s to a serve.batch method."""
+        batched.set_max_batch_size(config.models.max_batch_size)
+        batched.set_batch_wait_timeout_s(config.models.batch_wait_s)
+
+    async def _batched(self, batched, request):
+        """One call through the serve.batch method ``batched``; raises its own error."""
+        response = await batched((time.monotonic(), request))
+        if isinstance(response, Exception):
+            raise response
         return response
+
+    async def _compute_batch(
+        self, method: str, fn: Callable[[list], list], arrivals: list[tuple[float, object]]
+    ) -> list:
+        """Runs fn over the requests of ``arrivals`` ([(arrival time.monotonic(), request)]),
+        a batch Serve's serve.batch gathered, on the compute thread; returns fn's list, whose
+        items are responses or the exceptions of single requests."""
+        started = time.monotonic()
+        tags = {"method": method}
+        for arrived, _ in arrivals:
+            self._metrics.batch_wait.observe(started - arrived, tags=tags)
+        self._metrics.batch_size.observe(len(arrivals), tags=tags)
+        requests = [request for _, request in arrivals]
+        results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, requests)
+        for response in results:
+            if not isinstance(response, Exception):
+                self._metrics.compute.observe(response.compute_s, tags=tags)
+                if response.cache_miss:
+                    self._metrics.rebuilds.inc()
+        self._report_cache()
+        return results
 
     async def check_health(self) -> None:
         """Serve's periodic health check (every health_check_period_s); it also expires

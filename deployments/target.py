@@ -25,6 +25,18 @@ class TargetModel(ModelReplica):
 
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(TargetVerifier, "target", config)
+        self._size_batches(self._verify_batch, config)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
-        return await self._compute("verify", self.side.verify, request)
+        """One session's verify, run in a batch with the calls that arrived with it.
+
+        Raises:
+            ValueError: the request's q does not match its draft tokens (only this call fails).
+        """
+        return await self._batched(self._verify_batch, request)
+
+    # serve.batch gathers the calls that arrive while the compute thread is busy: one packed
+    # forward then serves them all (TargetVerifier.verify_batch). Sizes come from the config.
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)
+    async def _verify_batch(self, arrivals: list[tuple[float, worker_pb2.VerifyRequest]]) -> list:
+        return await self._compute_batch("verify", self.side.verify_batch, arrivals)

@@ -102,6 +102,17 @@ class ModelConfig(_Section):
     on; false: plain forwards of k + 1 positions (faster where padding costs, exact only up to
     the device's rounding)."""
 
+    max_batch_size: int = 8
+    """Calls a draft or target replica runs as one batch of packed forwards
+    (specdec.models.packed): the calls that arrived while the previous batch ran, up to this
+    many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
+    same either way."""
+
+    batch_wait_s: float = 0.0
+    """Seconds a replica waits for more calls after the first before it starts a batch. 0:
+    none; under load the calls that queued during the last batch still share the next one, and
+    a lone request never waits."""
+
     def for_side(self, side: str) -> tuple[str | None, str]:
         """(model, dtype) that the "draft" or "target" side loads."""
         if side == "draft":
@@ -133,6 +144,8 @@ class ModelConfig(_Section):
                 )
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
+        _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("batch_wait_s", self.batch_wait_s, 0)
 
 
 @dataclasses.dataclass(frozen=True)

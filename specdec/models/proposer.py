@@ -6,8 +6,12 @@ import time
 
 import torch
 
+from specdec.config import SpecdecConfig
 from specdec.decoding.sampling import processed_probs, request_generator, sample, truncate_top_n
+from specdec.models.calibration import Calibration
 from specdec.models.kv_cache import ActiveSession
+from specdec.models.loading import LoadedModel
+from specdec.models.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
 
@@ -20,7 +24,16 @@ class DraftProposer(SessionModel):
     Args:
         loaded, config: as SessionModel (the draft reads only the cache bound; each round's
             k and q truncation come with its ProposeRequest).
+        calibration: as SessionModel.
     """
+
+    def __init__(
+        self, loaded: LoadedModel, config: SpecdecConfig, calibration: Calibration | None = None
+    ) -> None:
+        super().__init__(loaded, config, calibration)
+        self._packing = supports_packing(loaded.model) is None
+        if self._packing:
+            prepare_packing(loaded.model)
 
     def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         """Catches the session up on the committed tokens, then drafts up to k tokens.
@@ -47,56 +60,126 @@ class DraftProposer(SessionModel):
         draft steps after it, so the controller prices each separately (all of a k = 0 call is
         catch-up).
         """
-        start = time.perf_counter()
-        with self.session(request.session) as active:
-            if active is None:
-                return worker_pb2.ProposeResponse(cache_miss=True)
-            k = request.num_speculative_tokens
-            pending = active.pending
-            logits = self.feed(active, pending, num_logits=1)[0]
-            catchup_s = time.perf_counter() - start
-            response = worker_pb2.ProposeResponse(catchup_s=catchup_s, catchup_tokens=len(pending))
-            if k == 0:
-                response.compute_s = catchup_s
-                return response
-            tokens, q_ids, q_probs = self._draft(active, logits, request)
-        response.token_ids.extend(tokens)
-        if q_ids:
-            _fill_sparse(response.q, torch.stack(q_ids), torch.stack(q_probs))
-        response.compute_s = time.perf_counter() - start
+        (response,) = self.propose_batch([request])
+        if isinstance(response, Exception):
+            raise response
         return response
 
-    def _draft(
-        self, active: ActiveSession, logits: torch.Tensor, request: worker_pb2.ProposeRequest
-    ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-        """Drafts from ``logits`` ([vocab]) on; returns the tokens and, when sampling, each
-        token's sparse q row (ids [N], probs [N])."""
-        sampling, k = request.sampling, request.num_speculative_tokens
-        floor = request.min_draft_confidence
-        generator = None
+    def propose_batch(
+        self, requests: list[worker_pb2.ProposeRequest]
+    ) -> list[worker_pb2.ProposeResponse | ValueError]:
+        """propose() for several sessions at once: each draft step runs the sessions still
+        drafting as one packed forward (specdec.models.packed), one row each (the catch-up rows
+        first), and a session leaves the batch when its k or its confidence stop ends its
+        draft.
+
+        Greedy sessions are drafted together. A sampled session is drafted alone: its draft
+        distribution q then does not depend on its neighbours, whose rows would change the
+        rounding of the shared GEMMs (and an int8 draft's activation scale), so its seed
+        reproduces its output. Its output is exact either way.
+
+        Returns:
+            Per request, in order: its ProposeResponse (catchup_s: the catch-up forward's
+            seconds, compute_s: the whole call's), or the ValueError its input raised.
+        """
+        start = time.perf_counter()
+        results = self.run_batch(requests, self._propose_distinct)
+        elapsed = time.perf_counter() - start
+        for response in results:
+            if isinstance(response, worker_pb2.ProposeResponse) and not response.cache_miss:
+                response.compute_s = elapsed
+        return results
+
+    def _propose_distinct(
+        self, requests: list[worker_pb2.ProposeRequest]
+    ) -> list[worker_pb2.ProposeResponse]:
+        """propose_batch over requests of distinct sessions."""
+        with self.checked_out([request.session for request in requests]) as actives:
+            drafts = [_Draft(r, a) for r, a in zip(requests, actives) if a is not None]
+            greedy = [d for d in drafts if d.generator is None]
+            groups = [greedy] if greedy else []
+            groups += [[d] for d in drafts if d.generator is not None]
+            for group in groups:
+                self._draft_together(group)
+        responses = iter(d.response() for d in drafts)
+        return [
+            worker_pb2.ProposeResponse(cache_miss=True) if a is None else next(responses)
+            for a in actives
+        ]
+
+    def _draft_together(self, drafts: list[_Draft]) -> None:
+        """Catches every session of ``drafts`` up and drafts until each one stops."""
+        start = time.perf_counter()
+        logits = self._step([(d.active, d.active.pending) for d in drafts])
+        catchup_s = time.perf_counter() - start
+        for draft in drafts:
+            draft.catchup_s = catchup_s
+        live = [d for d, row in zip(drafts, logits) if not d.take(row)]
+        while live:
+            logits = self._step([(d.active, d.tokens[-1:]) for d in live])
+            live = [d for d, row in zip(live, logits) if not d.take(row)]
+
+    def _step(self, feeds: list[tuple[ActiveSession, list[int]]]) -> list[torch.Tensor]:
+        """Feeds each session its tokens; returns each one's [vocab] logits after its last.
+        Prompts not yet cached run alone (their prefill), the rest packed when the model
+        allows, else one after another."""
+        alone = [not self._packing or not a.entry.cached_ids for a, _ in feeds]
+        packed = [Segment(a.entry, ids, 1) for (a, ids), solo in zip(feeds, alone) if not solo]
+        together = iter(
+            packed_forward(self.loaded.model, packed, self.loaded.vocab_size) if packed else ()
+        )
+        return [
+            self.feed(active, ids, num_logits=1)[0] if solo else next(together)[0]
+            for (active, ids), solo in zip(feeds, alone)
+        ]
+
+
+class _Draft:
+    """One session's draft in progress: the tokens so far and, when sampling, their q rows."""
+
+    def __init__(self, request: worker_pb2.ProposeRequest, active: ActiveSession) -> None:
+        self.request, self.active = request, active
+        self.k, self.floor = request.num_speculative_tokens, request.min_draft_confidence
+        sampling = request.sampling
+        self.generator = None
         if sampling.temperature > 0:
-            generator = request_generator(sampling.seed, DRAFT_STREAM, len(active.committed))
-        tokens, q_ids, q_probs = [], [], []
-        confidence = 1.0
-        while True:
-            if generator is None:
-                token = int(logits.argmax())
-                if floor > 0:
-                    confidence *= _softmax_at(logits, token)
-            else:
-                probs = processed_probs(
-                    logits, sampling.temperature, sampling.top_k, sampling.top_p
-                )
-                ids, values = truncate_top_n(probs[None], request.draft_top_n)
-                j = sample(values[0], generator)
-                token = int(ids[0, j])
-                confidence *= float(values[0, j])
-                q_ids.append(ids[0])
-                q_probs.append(values[0])
-            tokens.append(token)
-            if len(tokens) == k or confidence < floor:
-                return tokens, q_ids, q_probs
-            logits = self.feed(active, [token], num_logits=1)[0]
+            self.generator = request_generator(sampling.seed, DRAFT_STREAM, len(active.committed))
+        self.tokens: list[int] = []
+        self.q_ids: list[torch.Tensor] = []
+        self.q_probs: list[torch.Tensor] = []
+        self.confidence = 1.0
+        self.catchup_s = 0.0
+
+    def take(self, logits: torch.Tensor) -> bool:
+        """Drafts the next token from the [vocab] logits after the last one (none at k = 0);
+        True when the draft is complete (k tokens, or the confidence fell below the floor)."""
+        if self.k == 0:
+            return True
+        sampling = self.request.sampling
+        if self.generator is None:
+            token = int(logits.argmax())
+            if self.floor > 0:
+                self.confidence *= _softmax_at(logits, token)
+        else:
+            probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            ids, values = truncate_top_n(probs[None], self.request.draft_top_n)
+            j = sample(values[0], self.generator)
+            token = int(ids[0, j])
+            self.confidence *= float(values[0, j])
+            self.q_ids.append(ids[0])
+            self.q_probs.append(values[0])
+        self.tokens.append(token)
+        return len(self.tokens) == self.k or self.confidence < self.floor
+
+    def response(self) -> worker_pb2.ProposeResponse:
+        response = worker_pb2.ProposeResponse(
+            catchup_s=self.catchup_s,
+            catchup_tokens=len(self.active.pending),
+            token_ids=self.tokens,
+        )
+        if self.q_ids:
+            _fill_sparse(response.q, torch.stack(self.q_ids), torch.stack(self.q_probs))
+        return response
 
 
 def _softmax_at(logits: torch.Tensor, index: int) -> float:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
 
 from specdec.config import SpecdecConfig
 from specdec.models.calibration import Calibration
-from specdec.models.kv_cache import ActiveSession, SessionCacheStore
+from specdec.models.kv_cache import ActiveSession, SessionCacheStore, SessionEntry
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
 
 
 class SessionModel:
@@ -45,16 +49,61 @@ class SessionModel:
         The entry is stored back when the call succeeds and dropped when it raises, since its KV
         may then disagree with the ids it records; the next call rebuilds it.
         """
-        active = self.sessions.checkout(tokens)
-        if active is None:
-            yield None
-            return
-        try:
+        with self.checked_out([tokens]) as (active,):
             yield active
+
+    def run_batch(
+        self,
+        requests: list[Request],
+        run_distinct: Callable[[list[Request]], list[Response]],
+        check: Callable[[Request], None] = lambda request: None,
+    ) -> list[Response | ValueError]:
+        """Runs a batch of calls, each request carrying its ``session`` (SessionTokens).
+
+        A request that ``check`` (or the session tokens' own check) refuses gets its ValueError
+        and changes nothing; the rest go to ``run_distinct`` in passes of distinct sessions, so a
+        session named twice runs its later calls in later passes, in order.
+
+        Returns:
+            Per request, in order: run_distinct's response for it, or its ValueError.
+        """
+        results: list = [None] * len(requests)
+        todo = []
+        for i, request in enumerate(requests):
+            try:
+                _check_tokens(request.session)
+                check(request)
+                todo.append(i)
+            except ValueError as error:
+                results[i] = error
+        while todo:
+            seen: set[str] = set()
+            now = [i for i in todo if _first_sight(requests[i].session.session_id, seen)]
+            for i, response in zip(now, run_distinct([requests[i] for i in now])):
+                results[i] = response
+            todo = [i for i in todo if i not in now]
+        return results
+
+    @contextlib.contextmanager
+    def checked_out(
+        self, tokens: list[worker_pb2.SessionTokens]
+    ) -> Iterator[list[ActiveSession | None]]:
+        """Checks several distinct sessions out for one batched call, as session() does one:
+        None for each miss; every entry stored back on success, every one dropped on an error.
+        """
+        actives: list[ActiveSession | None] = []
+        try:
+            for one in tokens:
+                actives.append(self.sessions.checkout(one))
+            yield actives
         except BaseException:
-            self.sessions.evict(tokens.session_id)
+            for active in actives:
+                if active is not None:
+                    self.sessions.evict(active.session_id)
             raise
-        self.sessions.commit(active)
+        for active in actives:
+            if active is not None:
+                self.sessions.commit(active)
 
     @torch.inference_mode()
     def feed(self, active: ActiveSession, token_ids: list[int], num_logits: int) -> torch.Tensor:
@@ -67,12 +116,19 @@ class SessionModel:
             [num_logits, vocab_size] logits (padding rows beyond the tokenizer cut off), in the
             model's dtype, on the CPU.
         """
+        return self.feed_entry(active.entry, token_ids, num_logits)
+
+    @torch.inference_mode()
+    def feed_entry(
+        self, entry: SessionEntry, token_ids: list[int], num_logits: int
+    ) -> torch.Tensor:
+        """feed() on a cache entry."""
         model = self.loaded.model
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
         output = model(
-            input_ids=input_ids, cache=active.entry.cache, use_cache=True, logits_to_keep=num_logits
+            input_ids=input_ids, cache=entry.cache, use_cache=True, logits_to_keep=num_logits
         )
-        active.entry.cached_ids.extend(token_ids)
+        entry.cached_ids.extend(token_ids)
         return output.logits[0, -num_logits:, : self.loaded.vocab_size].cpu()
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
@@ -80,3 +136,17 @@ class SessionModel:
 
     def cache_stats(self) -> worker_pb2.CacheStats:
         return self.sessions.stats()
+
+
+def _check_tokens(tokens: worker_pb2.SessionTokens) -> None:
+    """Raises ValueError for a call that carries no committed token at all."""
+    if tokens.prefix_len == 0 and not tokens.new_token_ids:
+        raise ValueError("session.new_token_ids must hold the prompt when prefix_len is 0")
+
+
+def _first_sight(session_id: str, seen: set[str]) -> bool:
+    """True the first time ``session_id`` is seen (and remembers it)."""
+    if session_id in seen:
+        return False
+    seen.add(session_id)
+    return True

@@ -13,6 +13,7 @@ from specdec.models.calibration import Calibration, ExactWidths, calibrate
 from specdec.models.fixed_shape import use_row_wise_attention
 from specdec.models.kv_cache import ActiveSession
 from specdec.models.loading import LoadedModel
+from specdec.models.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
 
@@ -50,9 +51,13 @@ class TargetVerifier(SessionModel):
             )
         super().__init__(loaded, config, calibration)
         self.exact: ExactWidths | None = None
+        self._packing = False
         if config.models.fixed_shape_verify is not False:
             use_row_wise_attention(loaded.model)
             self.exact = calibration.chosen.exact
+            if self.exact is not None and supports_packing(loaded.model) is None:
+                prepare_packing(loaded.model)
+                self._packing = True
 
     def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         """Runs the pending committed tokens plus the k draft tokens in one forward pass.
@@ -65,23 +70,74 @@ class TargetVerifier(SessionModel):
 
         Returned log-probabilities are under the target's raw distribution (before temperature,
         top-k and top-p).
+
+        Raises:
+            ValueError: a sampled request whose q does not hold one row per draft token (the
+                session is left as it was).
+        """
+        (response,) = self.verify_batch([request])
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    def verify_batch(
+        self, requests: list[worker_pb2.VerifyRequest]
+    ) -> list[worker_pb2.VerifyResponse | ValueError]:
+        """verify() for several sessions at once: their rows run packed in shared forwards
+        (specdec.models.packed), each session attending over its own cache, then each is
+        accepted on its own (its own k, sampling parameters and seed).
+
+        Greedy output is what verify() alone gives, bitwise, whatever shares the batch: rows
+        run in the calibrated exact widths. Without exact widths (fixed_shape_verify off, or
+        none found) or on a model packed_forward does not support, the sessions run one after
+        another.
+
+        Returns:
+            Per request, in order: its VerifyResponse (compute_s: the whole batch's seconds,
+            the time the call waited on the model), or the ValueError its input raised, which
+            leaves that session as it was and the others unaffected. A session named twice runs
+            its later calls in later forwards, in order.
         """
         start = time.perf_counter()
-        with self.session(request.session) as active:
-            if active is None:
-                return worker_pb2.VerifyResponse(cache_miss=True)
-            drafts = list(request.draft_token_ids)
-            k = len(drafts)
-            logits = self._forward(active, active.pending + drafts, num_logits=k + 1).float()
-            draft_ids = torch.tensor(drafts, dtype=torch.long)
-            sampling = request.sampling
-            if sampling.temperature == 0:
-                num_accepted, next_token = verify_greedy(draft_ids, logits)
-            else:
-                num_accepted, next_token = self._verify_sampled(
-                    request, draft_ids, logits, len(active.committed)
-                )
-            active.entry.crop(len(active.committed) + num_accepted)
+        results = self.run_batch(requests, self._verify_distinct, _check_q)
+        elapsed = time.perf_counter() - start
+        for response in results:
+            if isinstance(response, worker_pb2.VerifyResponse):
+                response.compute_s = elapsed
+        return results
+
+    def _verify_distinct(
+        self, requests: list[worker_pb2.VerifyRequest]
+    ) -> list[worker_pb2.VerifyResponse]:
+        """verify_batch over requests of distinct sessions."""
+        with self.checked_out([request.session for request in requests]) as actives:
+            live = [(r, a) for r, a in zip(requests, actives) if a is not None]
+            jobs = [
+                (a, a.pending + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
+                for r, a in live
+            ]
+            logits = iter(self._forward_many(jobs))
+            responses = [
+                self._accept(request, active, next(logits)) if active is not None else None
+                for request, active in zip(requests, actives)
+            ]
+        miss = worker_pb2.VerifyResponse(cache_miss=True)
+        return [miss if r is None else r for r in responses]
+
+    def _accept(
+        self, request: worker_pb2.VerifyRequest, active: ActiveSession, logits: torch.Tensor
+    ) -> worker_pb2.VerifyResponse:
+        """Acceptance for one session from its [k + 1, vocab] logits; crops the rejected."""
+        logits = logits.float()
+        drafts = list(request.draft_token_ids)
+        draft_ids = torch.tensor(drafts, dtype=torch.long)
+        if request.sampling.temperature == 0:
+            num_accepted, next_token = verify_greedy(draft_ids, logits)
+        else:
+            num_accepted, next_token = self._verify_sampled(
+                request, draft_ids, logits, len(active.committed)
+            )
+        active.entry.crop(len(active.committed) + num_accepted)
         emitted = drafts[:num_accepted] + [next_token]
         # Row by row, each copied to fresh memory: a vectorized reduction rounds a row by its
         # alignment too, so a row's place in the batch must not decide its last bit.
@@ -90,32 +146,51 @@ class TargetVerifier(SessionModel):
             [logits[i, token] - torch.logsumexp(logits[i].clone(), dim=0) for i, token in rows]
         )
         return worker_pb2.VerifyResponse(
-            num_accepted=num_accepted,
-            token_ids=emitted,
-            logprobs=emitted_logprobs.tolist(),
-            compute_s=time.perf_counter() - start,
+            num_accepted=num_accepted, token_ids=emitted, logprobs=emitted_logprobs.tolist()
         )
 
-    def _forward(self, active: ActiveSession, token_ids: list[int], num_logits: int):
-        """feed() in the shapes that keep every position's logits independent of k: a prompt
-        not yet cached runs as one prefill forward (as it first did, so a rebuild replays it),
-        the positions after it in exact widths, padded with copies of the last token whose KV
-        is cropped again. Returns [num_logits, vocab] logits of the trailing positions."""
-        if self.exact is None:
-            return self.feed(active, token_ids, num_logits)
-        prompt_todo = max(active.entry.prompt_len - len(active.entry.cached_ids), 0)
-        logits = []
-        if prompt_todo:
-            wanted = max(num_logits - (len(token_ids) - prompt_todo), 1)
-            logits.append(self.feed(active, token_ids[:prompt_todo], min(wanted, prompt_todo)))
-        start, rest = prompt_todo, len(token_ids) - prompt_todo
-        for real, width in self.exact.chunks(rest) if rest else ():
-            chunk = token_ids[start : start + real]
-            out = self.feed(active, chunk + [chunk[-1]] * (width - real), num_logits=width)
-            active.entry.crop(len(active.entry.cached_ids) - (width - real))
-            logits.append(out[:real])
+    def _forward_many(self, jobs: list[tuple[ActiveSession, list[int], int]]) -> list[torch.Tensor]:
+        """Per (session, token ids, num_logits): feed() in the shapes that keep every
+        position's logits independent of k and of the other sessions. A prompt not yet cached
+        runs alone as one prefill forward (as it first did, so a rebuild replays it); the
+        positions after it run in exact widths (padded with copies of the last row, whose KV is
+        cropped again), all sessions packed together when the model allows. Returns per job
+        [num_logits, vocab] logits of its trailing positions."""
+        heads, segments = [], []
+        for active, token_ids, num_logits in jobs:
+            prompt_todo = max(active.entry.prompt_len - len(active.entry.cached_ids), 0)
+            if self.exact is None:
+                prompt_todo = len(token_ids)  # no exact widths: one plain forward
+            rest = len(token_ids) - prompt_todo
+            head = torch.empty(0, self.loaded.vocab_size)
+            if prompt_todo:
+                wanted = min(max(num_logits - rest, 1), prompt_todo)
+                head = self.feed(active, token_ids[:prompt_todo], wanted)
+            heads.append(head)
+            segments.append(Segment(active.entry, token_ids[prompt_todo:], min(num_logits, rest)))
+        tails = iter(self._forward_segments([s for s in segments if s.token_ids]))
+        return [
+            torch.cat([head, next(tails) if segment.token_ids else head[:0]])[-num_logits:]
+            for head, segment, (_, _, num_logits) in zip(heads, segments, jobs)
+        ]
+
+    def _forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """packed_forward in the exact widths; on a model it does not support, each session
+        in its own padded forwards through the model's forward."""
+        model, vocab_size = self.loaded.model, self.loaded.vocab_size
+        if self._packing:
+            return packed_forward(model, segments, vocab_size, self.exact)
+        return [self._forward_alone(segment) for segment in segments]
+
+    def _forward_alone(self, segment: Segment) -> torch.Tensor:
+        entry, logits, start = segment.entry, [], 0
+        for real, width in self.exact.chunks(len(segment.token_ids)):
+            chunk = segment.token_ids[start : start + real]
+            padded = chunk + [chunk[-1]] * (width - real)
+            logits.append(self.feed_entry(entry, padded, num_logits=width)[:real])
+            entry.crop(len(entry.cached_ids) - (width - real))
             start += real
-        return torch.cat(logits)[-num_logits:]
+        return torch.cat(logits)[len(segment.token_ids) - segment.num_logits :]
 
     def _verify_sampled(
         self,
@@ -129,13 +204,20 @@ class TargetVerifier(SessionModel):
         k = draft_ids.shape[0]
         q = torch.empty(0, p.shape[-1])
         if k:
-            if request.q.width == 0 or len(request.q.probs) != k * request.q.width:
-                raise ValueError(f"q must hold {k} rows for {k} draft tokens")
             q_ids = torch.tensor(request.q.token_ids, dtype=torch.long).view(k, -1)
             q_probs = torch.tensor(request.q.probs, dtype=torch.float32).view(k, -1)
             q = sparse_to_dense(q_ids, q_probs, p.shape[-1])
         generator = request_generator(sampling.seed, TARGET_STREAM, position)
         return verify_sampled(draft_ids, q, p, generator)
+
+
+def _check_q(request: worker_pb2.VerifyRequest) -> None:
+    """Raises ValueError unless a sampled request's q holds one row per draft token."""
+    k, q = len(request.draft_token_ids), request.q
+    if request.sampling.temperature == 0 or k == 0:
+        return
+    if q.width == 0 or len(q.probs) != k * q.width or len(q.token_ids) != k * q.width:
+        raise ValueError(f"q must hold {k} rows for {k} draft tokens")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

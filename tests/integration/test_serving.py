@@ -109,6 +109,48 @@ def test_sampled_output_is_reproducible_by_seed(client):
     assert client.generate(request).token_ids == client.generate(request).token_ids
 
 
+def _verify_batch_counts(text):
+    """(batches, batches of more than one session) of the target's verify calls, summed over
+    replicas, from the ray_specdec_batch_size histogram in a Prometheus exposition."""
+    total = single = 0.0
+    for line in text.splitlines():
+        if line.startswith("ray_specdec_batch_size") and 'method="verify"' in line:
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("ray_specdec_batch_size_count"):
+                total += value
+            elif 'le="1.0"' in line or 'le="1"' in line:
+                single += value
+    return total, total - single
+
+
+def test_concurrent_requests_share_verify_batches_and_stay_exact(client, reference):
+    # 8 concurrent requests with different prompts, k, temperatures and lengths: the target
+    # replicas run their verify calls in shared packed forwards (the batch-size metric counts
+    # batches of more than one session), and every greedy output equals its solo k = 0 output.
+    before = _verify_batch_counts(_scrape_metrics())
+    requests = [
+        build_request(
+            PROMPTS[i],
+            max_new_tokens=24 + 4 * i,
+            num_speculative_tokens=(0, 2, 4, None)[i % 4],
+            temperature=0.8 if i % 3 == 2 else 0.0,
+            seed=i,
+        )
+        for i in range(8)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        outputs = list(pool.map(client.generate, requests))
+    for i, (request, out) in enumerate(zip(requests, outputs)):
+        assert len(out.token_ids) == request.max_new_tokens or out.finish_reason == "stop"
+        if request.temperature == 0:
+            assert list(out.token_ids) == reference(PROMPTS[i], len(out.token_ids)), i
+    deadline, shared = time.monotonic() + 60, 0.0
+    while time.monotonic() < deadline and shared <= before[1]:
+        time.sleep(2)
+        total, shared = _verify_batch_counts(_scrape_metrics())
+    assert shared > before[1], "no verify batch held more than one session"
+
+
 def test_model_info_health_and_reflection(client, tiny_pair):
     info = client.model_info()
     assert info.draft_model == str(tiny_pair[0]) and info.target_model == str(tiny_pair[1])
