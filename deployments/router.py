@@ -431,7 +431,8 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         if not self._prior_set and draft is not None:
             # The replicas' start-up measurements price the first rounds of the first requests.
             k_max = self.config.speculation.max_speculative_tokens
-            prior = cost_prior(_calibration(target), _calibration(draft), k_max)
+            batch = self.config.models.max_batch_size
+            prior = cost_prior(_calibration(target), _calibration(draft), k_max, batch)
             if prior is not None:
                 self.costs.set_prior(prior)
             self._prior_set = True

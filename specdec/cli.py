@@ -1,4 +1,4 @@
-"""The `specdec` command line: cluster, serve, generate, loadtest, soak, bench, demo,
+"""The `specdec` command line: cluster, serve, generate, loadtest, soak, bench, sweep, demo,
 tiny-models, tiny-bench, k8s.
 
 Ray, torch and transformers are imported only by the subcommands that need them, so
@@ -40,6 +40,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-bench": (
         "specdec.tools.tiny_bench",
         "throughput and acceptance per k on the tiny pair, in process or through the service",
+    ),
+    "sweep": (
+        "specdec.tools.sweep",
+        "concurrency x k through the service: aggregate and per-request tokens/s, TTFT, "
+        "latency, exactness against k=0",
     ),
     "k8s": (
         "specdec.tools.k8s",

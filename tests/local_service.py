@@ -12,6 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CONFIG = ROOT / "deployments" / "config" / "local.yaml"
 
 
+def write_prompt_set(folder: Path) -> Path:
+    """A 3-prompt .jsonl prompt set in specdec.tools.datasets' format (ids 1-3; the second a
+    two-turn chat), for the benchmark commands' tests."""
+    path = folder / "prompts.jsonl"
+    path.write_text(
+        '{"question_id": 1, "category": "code", "prompt": "def add(a, b):"}\n'
+        '{"question_id": 2, "category": "chat", "turns": ["Say hi.", "Again."]}\n'
+        '{"question_id": 3, "category": "code", "prompt": "import os\\n"}\n'
+    )
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,13 @@ which is a prefill, a rebuild or a return from plain decoding; a verify or an or
 of a round in which a side rebuilt its cache). Before a cost is measured, an optional CostPrior
 (the replicas' start-up calibration) stands in for it.
 
+Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
+round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
+forward. When recent verifies shared batches of B > 1 sessions, the verify of k is priced as a
+batch of B x (k + 1) rows (every session drafting the same k; the prior's cost curve by rows,
+scaled to the measured level): k then maximises the batch's goodput, which falls to k = 0 when
+the batch's rows no longer come cheap (vLLM, SmartSpec/TurboSpec do the same; Liu et al. 2024).
+
 With a dynamic draft length, the best fixed k only decides whether speculation pays; the round
 then drafts up to k_max tokens and the draft stops on its own confidence, at a floor set by the
 marginal cost of one more token (KController.choose).
@@ -72,6 +79,9 @@ class CostPrior:
             calibration's forward_s[0]).
         catchup_s: seconds of a speculative round's draft catch-up over 1-2 committed tokens
             (e.g. the draft's forward_s[1]); None takes draft_step_s.
+        batch_verify_s: seconds of a batched verify by the rows of all its sessions:
+            batch_verify_s[r - 1] for r rows (the target's exact widths, padding and chunks
+            included); empty: batches are priced as single sessions.
     Raises:
         ValueError: verify_s empty, or a value not finite and > 0.
     """
@@ -79,10 +89,12 @@ class CostPrior:
     verify_s: Sequence[float]
     draft_step_s: float
     catchup_s: float | None = None
+    batch_verify_s: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_s", tuple(float(v) for v in self.verify_s))
-        values = [*self.verify_s, self.draft_step_s]
+        object.__setattr__(self, "batch_verify_s", tuple(float(v) for v in self.batch_verify_s))
+        values = [*self.verify_s, *self.batch_verify_s, self.draft_step_s]
         if self.catchup_s is not None:
             values.append(self.catchup_s)
         if not self.verify_s or not all(math.isfinite(v) and v > 0 for v in values):
@@ -92,6 +104,15 @@ class CostPrior:
         """verify_s as k_max + 1 values (extended with its last value, or cut)."""
         values = list(self.verify_s[: k_max + 1])
         return values + [values[-1]] * (k_max + 1 - len(values))
+
+    def batch_seconds(self, rows: int) -> float | None:
+        """batch_verify_s at ``rows`` rows, extended linearly past its end; None without it."""
+        table = self.batch_verify_s
+        if not table:
+            return None
+        if rows <= len(table):
+            return table[max(rows, 1) - 1]
+        return table[-1] * rows / len(table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +127,8 @@ class RoundTiming:
         overhead_s: the round's wall time outside both models (transport, scheduling).
         draft_rebuilt, target_rebuilt: that side missed its cache and the round resent the whole
             committed sequence, so the side rebuilt the session in this round.
+        batch_sessions, batch_rows: the sessions that shared the verify's batch (this one
+            included) and their rows (0: not reported, a lone verify).
     """
 
     verify_s: float
@@ -115,6 +138,8 @@ class RoundTiming:
     overhead_s: float = 0.0
     draft_rebuilt: bool = False
     target_rebuilt: bool = False
+    batch_sessions: int = 0
+    batch_rows: int = 0
 
 
 class _WindowMedian:
@@ -154,6 +179,8 @@ class CostModel:
         self._catchup = _WindowMedian()
         self._verify = [_WindowMedian() for _ in range(k_max + 1)]
         self._overhead = {True: _WindowMedian(), False: _WindowMedian()}
+        self._batch_sessions = _WindowMedian()
+        self._batch_level = _WindowMedian()  # measured / prior seconds of batched verifies
 
     def set_prior(self, prior: CostPrior) -> None:
         """Installs a prior after construction (a router learns the replicas' calibration only
@@ -176,7 +203,12 @@ class CostModel:
             steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
             if k >= 1 and steady_catchup and not timing.draft_rebuilt:
                 self._catchup.add(timing.catchup_s)
-            if not timing.target_rebuilt:
+            self._batch_sessions.add(max(timing.batch_sessions, 1))
+            prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
+            batched = timing.batch_sessions > 1 and prior_s is not None
+            if batched and not timing.target_rebuilt:
+                self._batch_level.add(timing.verify_s / prior_s)
+            elif not timing.target_rebuilt:
                 self._verify[k].add(timing.verify_s)
             if not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
@@ -211,10 +243,13 @@ class CostModel:
     def verify_seconds(self, k: int) -> float:
         """Predicted seconds of a verify over k draft tokens (k + 1 positions).
 
-        Measured at k: that. Otherwise, with a prior: the prior's value scaled as the class
-        docstring says. Without one: interpolated between the nearest measured k on each side,
-        or the nearest one beyond the measured range (an optimistic guess for larger k, which
-        the controller then measures and corrects).
+        Under load (verifies lately shared batches of B > 1 sessions, and the prior has the
+        batch table): the prior's seconds of a batch of B x (k + 1) rows, scaled by the median
+        measured/prior ratio of recent batches. Alone: measured at k: that. Otherwise, with
+        a prior: the prior's value scaled as the class docstring says. Without one:
+        interpolated between the nearest measured k on each side, or the nearest one beyond
+        the measured range (an optimistic guess for larger k, which the controller then
+        measures and corrects).
 
         Raises:
             ValueError: no verify cost is known yet (see ready).
@@ -240,7 +275,21 @@ class CostModel:
             draft = self.draft_seconds(k)
         return max(draft + verify + overhead, 1e-9)
 
+    @property
+    def batch_sessions(self) -> float:
+        """Sessions per verify batch lately (the median of the last WINDOW rounds; 1 before)."""
+        return self._batch_sessions.value or 1.0
+
     def _verify_seconds(self, k: int) -> float:
+        sessions = self.batch_sessions
+        if sessions > 1 and self._prior is not None and self._prior.batch_verify_s:
+            # Under load every session of the batch is priced as drafting the same k: the
+            # batch's rows grow by its size for each token of k (SmartSpec, Liu et al. 2024).
+            rows = round(sessions * (k + 1))
+            return (self._batch_level.value or 1.0) * self._prior.batch_seconds(rows)
+        return self._single_verify_seconds(k)
+
+    def _single_verify_seconds(self, k: int) -> float:
         measured = [v.value for v in self._verify]
         if measured[k] is not None:
             return measured[k]

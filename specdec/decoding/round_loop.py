@@ -169,6 +169,8 @@ class RoundLoop:
             overhead_s=time.perf_counter() - start - proposal.compute_s - verified.compute_s,
             draft_rebuilt=draft_rebuilt,
             target_rebuilt=target_rebuilt,
+            batch_sessions=verified.batch_sessions,
+            batch_rows=verified.batch_rows,
         )
         drafted, accepted = len(drafts), verified.num_accepted
         self._controller.observe(drafted, accepted, timing)

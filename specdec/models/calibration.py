@@ -564,11 +564,14 @@ def _timed(device: torch.device, fn) -> float:
     return time.perf_counter() - start
 
 
-def cost_prior(target, draft, max_speculative_tokens: int) -> CostPrior | None:
+def cost_prior(
+    target, draft, max_speculative_tokens: int, max_batch_size: int = 1
+) -> CostPrior | None:
     """The controller's starting costs from two specdec.v1.DeviceCalibration messages: verify
     of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
-    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward.
-    None when either side reported no costs."""
+    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward, and
+    a batched verify of r rows, r up to max_batch_size x (k_max + 1), = r rows in the exact
+    widths. None when either side reported no costs."""
     target_costs = _chosen_costs(target)
     draft_costs = _chosen_costs(draft)
     if not target_costs or not draft_costs:
@@ -578,7 +581,13 @@ def cost_prior(target, draft, max_speculative_tokens: int) -> CostPrior | None:
     )
     verify_s = [exact.rows_seconds(k + 1) for k in range(max_speculative_tokens + 1)]
     catchup_s = draft_costs[1] if len(draft_costs) > 1 else None
-    return CostPrior(verify_s=verify_s, draft_step_s=draft_costs[0], catchup_s=catchup_s)
+    batch_rows = max_batch_size * (max_speculative_tokens + 1) if max_batch_size > 1 else 0
+    return CostPrior(
+        verify_s=verify_s,
+        draft_step_s=draft_costs[0],
+        catchup_s=catchup_s,
+        batch_verify_s=[exact.rows_seconds(rows) for rows in range(1, batch_rows + 1)],
+    )
 
 
 def _chosen_costs(message) -> tuple[float, ...]:

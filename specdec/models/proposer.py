@@ -80,14 +80,16 @@ class DraftProposer(SessionModel):
 
         Returns:
             Per request, in order: its ProposeResponse (catchup_s: the catch-up forward's
-            seconds, compute_s: the whole call's), or the ValueError its input raised.
+            seconds, compute_s: the whole batch's, or at k = 0, all catch-up, catchup_s), or
+            the ValueError its input raised.
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._propose_distinct)
         elapsed = time.perf_counter() - start
-        for response in results:
+        for request, response in zip(requests, results):
             if isinstance(response, worker_pb2.ProposeResponse) and not response.cache_miss:
-                response.compute_s = elapsed
+                drafted = request.num_speculative_tokens > 0
+                response.compute_s = elapsed if drafted else response.catchup_s
         return results
 
     def _propose_distinct(

@@ -118,11 +118,16 @@ class TargetVerifier(SessionModel):
             ]
             logits = iter(self._forward_many(jobs))
             responses = [
-                self._accept(request, active, next(logits)) if active is not None else None
+                self._accept(request, active, next(logits))
+                if active is not None
+                else worker_pb2.VerifyResponse(cache_miss=True)
                 for request, active in zip(requests, actives)
             ]
-        miss = worker_pb2.VerifyResponse(cache_miss=True)
-        return [miss if r is None else r for r in responses]
+        rows = sum(len(token_ids) for _, token_ids, _ in jobs)
+        for response in responses:
+            if not response.cache_miss:
+                response.batch_sessions, response.batch_rows = len(jobs), rows
+        return responses
 
     def _accept(
         self, request: worker_pb2.VerifyRequest, active: ActiveSession, logits: torch.Tensor

@@ -51,6 +51,41 @@ def add_k_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--k", default="auto", type=k_value, help=help_text)
 
 
+def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:
+    """The service address and the prompt set of a benchmark: --address, --application,
+    --dataset, --data-file, --category, --limit (specdec.tools.datasets reads the last four)."""
+    from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION
+
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
+    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument(
+        "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
+    )
+    parser.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
+    parser.add_argument("--category", help="only this category of the dataset")
+    parser.add_argument(
+        "--limit", type=positive_int, default=20, help="first N prompts (default 20)"
+    )
+
+
+def check_report_paths(args: argparse.Namespace) -> None:
+    """Fails before a benchmark runs, not after it, on an unwritable --json / --plot or a
+    --plot without matplotlib.
+
+    Raises:
+        ValueError: the directory of --json or --plot does not exist.
+        ImportError: --plot given and matplotlib missing.
+    """
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--json/--plot: no directory for {path}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as err:
+            raise ImportError("--plot needs matplotlib: pip install 'specdec[bench]'") from err
+
+
 def config_path(name: str) -> Path:
     """A Serve config YAML: ``name`` when it is an existing path, else the file of that name
     shipped in deployments/config/ (local.yaml, gpu.yaml).

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION, SpecdecClient, build_request
+from specdec.client import SpecdecClient, build_request
 from specdec.decoding.stats import SpeculationStats
-from specdec.tools.args import add_k_arg, positive_int
+from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
 from specdec.tools.bench_figures import (
     ENGINE,
     HF_ASSISTED,
@@ -269,18 +269,6 @@ def _hf_mode(info, results: Sequence[PromptResult], args, device: str, plain) ->
     return {HF_ASSISTED: what}
 
 
-def _check_outputs(args) -> None:
-    """Fails before the run, not after it, on an unwritable --json / --plot or no matplotlib."""
-    for path in (args.json, args.plot):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"--json/--plot: no directory for {path}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as err:
-            raise ImportError("--plot needs matplotlib: pip install 'specdec[bench]'") from err
-
-
 def _device(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -291,16 +279,7 @@ def _device(requested: str) -> str:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec bench`."""
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=DEFAULT_APPLICATION)
-    parser.add_argument(
-        "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
-    )
-    parser.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
-    parser.add_argument("--category", help="only this category of the dataset")
-    parser.add_argument(
-        "--limit", type=positive_int, default=20, help="first N prompts (default 20)"
-    )
+    add_prompt_set_args(parser)
     parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
@@ -374,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         args.dataset, category=args.category, limit=args.limit, data_file=args.data_file
     )
-    _check_outputs(args)
+    check_report_paths(args)
     greedy = not args.temperature
     device = _device(args.device)
     with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:

@@ -83,18 +83,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("cache_miss", "num_accepted", "token_ids", "logprobs", "compute_s")
+    __slots__ = ("cache_miss", "num_accepted", "token_ids", "logprobs", "compute_s", "batch_sessions", "batch_rows")
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     cache_miss: bool
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     compute_s: float
-    def __init__(self, cache_miss: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    batch_sessions: int
+    batch_rows: int
+    def __init__(self, cache_miss: _Optional[bool] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., compute_s: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -11,6 +11,7 @@ import argparse
 import json
 
 import pytest
+from local_service import write_prompt_set
 
 from specdec.tools import bench
 
@@ -18,12 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def _args(tmp_path, address, **overrides):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        '{"question_id": 1, "category": "code", "prompt": "def add(a, b):"}\n'
-        '{"question_id": 2, "category": "chat", "turns": ["Say hi.", "Again."]}\n'
-        '{"question_id": 3, "category": "code", "prompt": "import os\\n"}\n'
-    )
+    prompts = write_prompt_set(tmp_path)
     parser = argparse.ArgumentParser()
     bench.add_cli_args(parser)  # the flags as `specdec bench` parses them
     args = parser.parse_args(

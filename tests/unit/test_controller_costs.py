@@ -292,3 +292,51 @@ def test_dynamic_length_floor_uses_the_draft_step_not_the_catchup():
         CostModel(_config(), prior), _config(dynamic=True), acceptance=_FixedRate(0.7)
     )
     assert controller.choose(limit=1000) == (8, pytest.approx(0.03 * 2.94117 / 0.67, rel=1e-4))
+
+
+def _batch_prior(k_max: int = 8, sessions: int = 8, flat_rows: int = 16) -> CostPrior:
+    """A device where a forward costs 0.2 s up to ``flat_rows`` rows and grows 0.2 s per
+    ``flat_rows`` rows after (weights read once per forward until the rows dominate)."""
+    rows = range(1, sessions * (k_max + 1) + 1)
+    return CostPrior(
+        verify_s=[0.2] * (k_max + 1),
+        draft_step_s=STEP_S,
+        catchup_s=CATCHUP_S,
+        batch_verify_s=[0.2 * -(-r // flat_rows) for r in rows],
+    )
+
+
+def _batched_round(k: int, sessions: int, verify_s: float) -> RoundTiming:
+    timing = _round(k, verify_s=verify_s)
+    return RoundTiming(**{**timing.__dict__, "batch_sessions": sessions, "batch_rows": sessions})
+
+
+def test_under_load_k_falls_to_what_the_batch_can_absorb():
+    # Alone, rows up to 16 cost the same, so a request drafts deep. With 8 sessions sharing
+    # every verify, each token of k adds 8 rows to the batch: k = 1 (16 rows) still rides on
+    # the same forward, beyond it the forward grows, and at acceptance 0.5 k = 1 is best.
+    costs = CostModel(_config(), _batch_prior())
+    controller = KController(costs, _config())
+    for _ in range(3):
+        controller.acceptance.observe(4, 2)  # acceptance about 0.5
+    alone = controller.choose(limit=100).k
+    for _ in range(WINDOW):
+        costs.observe(0, _batched_round(0, 8, verify_s=0.2))
+    assert costs.batch_sessions == 8
+    loaded = controller.choose(limit=100).k
+    assert alone >= 4
+    assert loaded == 1
+    # Each batched verify measured twice the prior: the level scales every batch price.
+    for _ in range(WINDOW):
+        costs.observe(0, _batched_round(0, 8, verify_s=0.4))
+    assert costs.verify_seconds(3) == pytest.approx(2 * 0.2 * 2)  # 32 rows: two forwards
+
+
+def test_lone_verifies_keep_the_per_k_costs_and_batched_ones_do_not_touch_them():
+    costs = CostModel(_config(), _batch_prior())
+    for _ in range(WINDOW):
+        costs.observe(3, _round(3, verify_s=0.3))  # alone: batch_sessions not reported
+    assert costs.batch_sessions == 1 and costs.verify_seconds(3) == pytest.approx(0.3)
+    costs.observe(3, _batched_round(3, 2, verify_s=5.0))
+    assert costs.batch_sessions == 1  # the median of mostly lone verifies
+    assert costs.verify_seconds(3) == pytest.approx(0.3)  # not the batch's 5 s
