@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from specdec.config import SpecdecConfig
+from specdec.deployments.batching import BatchSizer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.models.calibration import load_calibrated
@@ -71,9 +72,17 @@ class ModelReplica:
         )
 
     def _size_batches(self, batched, config: SpecdecConfig) -> None:
-        """Applies models.max_batch_size and batch_wait_s to a serve.batch method."""
-        batched.set_max_batch_size(config.models.max_batch_size)
-        batched.set_batch_wait_timeout_s(config.models.batch_wait_s)
+        """Makes ``batched`` (this deployment's serve.batch method) the one _compute_batch
+        sizes: each batch closes once the sessions active lately are in, or after
+        models.batch_wait_fraction of the last batch's seconds (specdec.deployments.batching)."""
+        self._batch_method = batched
+        self._sizer = BatchSizer(config.models.max_batch_size, config.models.batch_wait_fraction)
+        self._resize_batches()
+
+    def _resize_batches(self) -> None:
+        size, wait_s = self._sizer.next_batch()
+        self._batch_method.set_max_batch_size(size)
+        self._batch_method.set_batch_wait_timeout_s(wait_s)
 
     async def _batched(self, batched, request):
         """One call through the serve.batch method ``batched``; raises its own error."""
@@ -95,6 +104,8 @@ class ModelReplica:
         self._metrics.batch_size.observe(len(arrivals), tags=tags)
         requests = [request for _, request in arrivals]
         results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, requests)
+        self._sizer.observe((r.session.session_id for r in requests), time.monotonic() - started)
+        self._resize_batches()
         for response in results:
             if not isinstance(response, Exception):
                 self._metrics.compute.observe(response.compute_s, tags=tags)
@@ -114,6 +125,8 @@ class ModelReplica:
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         response = self.side.release(request)
+        self._sizer.release(request.session_id)
+        self._resize_batches()
         self._report_cache()
         return response
 

@@ -108,10 +108,11 @@ class ModelConfig(_Section):
     many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
     same either way."""
 
-    batch_wait_s: float = 0.0
-    """Seconds a replica waits for more calls after the first before it starts a batch. 0:
-    none; under load the calls that queued during the last batch still share the next one, and
-    a lone request never waits."""
+    batch_wait_fraction: float = 0.25
+    """How long a replica holds a batch open for more calls, as a fraction of its last batch's
+    seconds. It closes the batch as soon as the calls of all sessions that called it lately are
+    in, so a lone request never waits; without any wait (0) concurrent streams keep alternating
+    instead of sharing forwards (specdec.deployments.batching)."""
 
     def for_side(self, side: str) -> tuple[str | None, str]:
         """(model, dtype) that the "draft" or "target" side loads."""
@@ -145,7 +146,11 @@ class ModelConfig(_Section):
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
         _at_least("max_batch_size", self.max_batch_size, 1)
-        _at_least("batch_wait_s", self.batch_wait_s, 0)
+        _require(
+            "batch_wait_fraction",
+            0 <= self.batch_wait_fraction <= 1,
+            f"must be within [0, 1], got {self.batch_wait_fraction}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""How a model replica sizes its batches (specdec.deployments.batching)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.deployments.batching import ACTIVE_FLOOR_S, BatchSizer
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lone_session_never_waits():
+    sizer = BatchSizer(8, 0.25, clock=_Clock())
+    assert sizer.next_batch() == (1, 0.0)
+    sizer.observe(["a"], batch_s=0.5)
+    assert sizer.next_batch() == (1, 0.0)
+
+
+def test_active_sessions_size_the_batch_and_the_wait_follows_the_last_batch():
+    clock = _Clock()
+    sizer = BatchSizer(8, 0.25, clock=clock)
+    sizer.observe(["a"], batch_s=0.4)
+    sizer.observe(["b"], batch_s=0.4)  # the two streams alternate: one session per batch
+    assert sizer.next_batch() == (2, pytest.approx(0.1))  # wait for the other one's call
+    sizer.observe([f"s{i}" for i in range(10)], batch_s=0.8)
+    assert sizer.next_batch() == (8, pytest.approx(0.2))  # capped at max_batch_size
+
+
+def test_released_and_idle_sessions_stop_counting():
+    clock = _Clock()
+    sizer = BatchSizer(8, 0.25, clock=clock)
+    sizer.observe(["a", "b", "c"], batch_s=0.1)
+    sizer.release("b")
+    assert sizer.active() == 2
+    clock.now += ACTIVE_FLOOR_S / 2  # within the window: still active
+    assert sizer.active() == 2
+    clock.now += ACTIVE_FLOOR_S  # past max(floor, 4 x 0.1 s) since their last call
+    assert sizer.active() == 0 and sizer.next_batch() == (1, 0.0)
+
+
+def test_a_zero_fraction_never_waits():
+    sizer = BatchSizer(8, 0.0, clock=_Clock())
+    sizer.observe(["a", "b"], batch_s=1.0)
+    assert sizer.next_batch() == (2, 0.0)
