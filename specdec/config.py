@@ -108,7 +108,7 @@ class ModelConfig(_Section):
     many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
     same either way."""
 
-    batch_wait_fraction: float = 0.25
+    batch_wait_fraction: float = 1.0
     """How long a replica holds a batch open for more calls, as a fraction of its last batch's
     seconds. It closes the batch as soon as the calls of all sessions that called it lately are
     in, so a lone request never waits; without any wait (0) concurrent streams keep alternating
