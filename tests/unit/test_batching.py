@@ -60,6 +60,20 @@ class _Session:
         self.logprobs += response.logprobs
 
 
+def _count_sessions_per_forward(monkeypatch, module) -> list[int]:
+    """Spies on ``module``'s packed_forward; returns the list it appends each call's number of
+    sessions to."""
+    counts: list[int] = []
+    real_forward = module.packed_forward
+
+    def counting(model, segments, *args):
+        counts.append(len(segments))
+        return real_forward(model, segments, *args)
+
+    monkeypatch.setattr(module, "packed_forward", counting)
+    return counts
+
+
 def _sessions(built, tag: str, temperatures=(0.0,)) -> list[_Session]:
     tokenizer = built.target.tokenizer
     return [
@@ -105,14 +119,7 @@ def test_batched_verify_gives_every_session_its_solo_output(built, monkeypatch):
     verifier = built.transport.verifier
     vocab = verifier.loaded.vocab_size
     assert verifier._packing
-    shared = []
-    real_forward = verifier_module.packed_forward
-
-    def counting(model, segments, *args):
-        shared.append(len(segments))
-        return real_forward(model, segments, *args)
-
-    monkeypatch.setattr(verifier_module, "packed_forward", counting)
+    shared = _count_sessions_per_forward(monkeypatch, verifier_module)
     temperatures = (0.0, 0.0, 0.8)
     solo = _sessions(built, "solo", temperatures)
     _solo(verifier, solo)
@@ -213,14 +220,7 @@ def test_batched_drafting_steps_sessions_together_until_each_stops(built, monkey
     proposer = built.transport.proposer
     from specdec.models import proposer as proposer_module
 
-    widths = []
-    real_forward = proposer_module.packed_forward
-
-    def counting(model, segments, *args):
-        widths.append(len(segments))
-        return real_forward(model, segments, *args)
-
-    monkeypatch.setattr(proposer_module, "packed_forward", counting)
+    widths = _count_sessions_per_forward(monkeypatch, proposer_module)
     temperatures = (0.0, 0.0, 0.0, 0.9)
     sessions = _sessions(built, "draft", temperatures)[:4]
     ks = [3, 5, 1, 4]
