@@ -168,6 +168,10 @@ class ReplicaMetrics:
             boundaries=BATCH_BOUNDARIES,
             tag_keys=("method",),
         )
+        self.deferred = metrics.Counter(
+            "specdec_prefills_deferred",
+            "Prefill calls a batch left to the next one (past models.batch_prefill_s).",
+        )
         self.batch_wait = metrics.Histogram(
             "specdec_batch_wait_seconds",
             "Seconds a call waited from its arrival to the start of its batch.",

@@ -13,7 +13,7 @@ from specdec.deployments.batching import BatchSizer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.models.calibration import load_calibrated
-from specdec.models.session import SessionModel
+from specdec.models.session import DEFERRED, Deferred, SessionModel
 from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
@@ -85,8 +85,13 @@ class ModelReplica:
         self._batch_method.set_batch_wait_timeout_s(wait_s)
 
     async def _batched(self, batched, request):
-        """One call through the serve.batch method ``batched``; raises its own error."""
-        response = await batched((time.monotonic(), request))
+        """One call through the serve.batch method ``batched``; raises its own error. A call
+        the batch deferred (a prefill past its budget, SessionModel.run_batch) joins the next
+        one, keeping its arrival time."""
+        arrival = (time.monotonic(), request)
+        response = await batched(arrival)
+        while response is DEFERRED:
+            response = await batched(arrival)
         if isinstance(response, Exception):
             raise response
         return response
@@ -106,8 +111,11 @@ class ModelReplica:
         results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, requests)
         self._sizer.observe((r.session.session_id for r in requests), time.monotonic() - started)
         self._resize_batches()
+        deferred = sum(response is DEFERRED for response in results)
+        if deferred:
+            self._metrics.deferred.inc(deferred)
         for response in results:
-            if not isinstance(response, Exception):
+            if not isinstance(response, (Exception, Deferred)):
                 self._metrics.compute.observe(response.compute_s, tags=tags)
                 if response.cache_miss:
                     self._metrics.rebuilds.inc()

@@ -108,6 +108,14 @@ class ModelConfig(_Section):
     many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
     same either way."""
 
+    batch_prefill_s: float = 1.0
+    """Seconds of prompt prefill one batch may hold beyond its first prefill, converted to
+    tokens by the replica's measured prefill cost per token: further new prompts wait for the
+    next batch, so that a burst of them cannot stall every live session's decode rows behind
+    all their prefills (on a 2-core CPU, 8 prompts held one batch for over 50 s). A GPU
+    prefills thousands of tokens in that time; a CPU one prompt per batch. 0: one prefill
+    per batch."""
+
     batch_wait_fraction: float = 1.0
     """How long a replica holds a batch open for more calls, as a fraction of its last batch's
     seconds. It closes the batch as soon as the calls of all sessions that called it lately are
@@ -146,6 +154,7 @@ class ModelConfig(_Section):
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
         _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("batch_prefill_s", self.batch_prefill_s, 0)
         _require(
             "batch_wait_fraction",
             0 <= self.batch_wait_fraction <= 1,

@@ -80,8 +80,9 @@ class DraftProposer(SessionModel):
 
         Returns:
             Per request, in order: its ProposeResponse (catchup_s: the catch-up forward's
-            seconds, compute_s: the whole batch's, or at k = 0, all catch-up, catchup_s), or
-            the ValueError its input raised.
+            seconds, compute_s: the whole batch's, or at k = 0, all catch-up, catchup_s), the
+            ValueError its input raised, or DEFERRED (a prefill past the batch's prefill
+            budget, SessionModel.run_batch).
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._propose_distinct)

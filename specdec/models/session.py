@@ -19,6 +19,17 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 
+class Deferred:
+    """run_batch's result for a call left to a later batch (a prefill past the batch's
+    prefill budget): the caller submits it again; nothing about its session changed."""
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = Deferred()
+
+
 class SessionModel:
     """One model plus the LRU of its sessions' KV caches.
 
@@ -28,7 +39,11 @@ class SessionModel:
             its key and value tensors hold (specdec.models.kv_cache.cache_nbytes), and
             models.cache_idle_s expires idle sessions.
         calibration: what the replica measured on its device at start-up
-            (specdec.models.calibration), kept for reporting; None when not measured.
+            (specdec.models.calibration), kept for reporting; None when not measured. Its
+            prefill cost per token turns models.batch_prefill_s into ``prefill_budget``.
+    Attributes:
+        prefill_budget: prompt tokens a batch may prefill beyond its first prefill (None: no
+            bound, when there is no calibration).
     """
 
     def __init__(
@@ -41,6 +56,10 @@ class SessionModel:
             lambda: DynamicCache(config=loaded.model.config),
             idle_s=config.models.cache_idle_s,
         )
+        self.prefill_budget: int | None = None
+        if calibration is not None:
+            per_token = calibration.chosen.prefill_s_per_token
+            self.prefill_budget = int(config.models.batch_prefill_s / max(per_token, 1e-9))
 
     @contextlib.contextmanager
     def session(self, tokens: worker_pb2.SessionTokens) -> Iterator[ActiveSession | None]:
@@ -61,21 +80,30 @@ class SessionModel:
         """Runs a batch of calls, each request carrying its ``session`` (SessionTokens).
 
         A request that ``check`` (or the session tokens' own check) refuses gets its ValueError
-        and changes nothing; the rest go to ``run_distinct`` in passes of distinct sessions, so a
-        session named twice runs its later calls in later passes, in order.
+        and changes nothing. Prefills (calls that start a session from its first token) past
+        the batch's first one wait for a later batch once their prompt tokens would pass
+        ``prefill_budget``, so that a burst of new prompts cannot stall the decode rows of
+        every live session for all their prefills at once (cf. TGI's max_batch_prefill_tokens);
+        a deferred session's later calls in the batch wait with it. The rest go to
+        ``run_distinct`` in passes of distinct sessions, so a session named twice runs its
+        later calls in later passes, in order.
 
         Returns:
-            Per request, in order: run_distinct's response for it, or its ValueError.
+            Per request, in order: run_distinct's response for it, its ValueError, or DEFERRED.
         """
         results: list = [None] * len(requests)
-        todo = []
+        checked = []
         for i, request in enumerate(requests):
             try:
                 _check_tokens(request.session)
                 check(request)
-                todo.append(i)
+                checked.append(i)
             except ValueError as error:
                 results[i] = error
+        deferred = _defer_prefills([requests[i].session for i in checked], self.prefill_budget)
+        todo = [i for n, i in enumerate(checked) if n not in deferred]
+        for n in deferred:
+            results[checked[n]] = DEFERRED
         while todo:
             seen: set[str] = set()
             now = [i for i in todo if _first_sight(requests[i].session.session_id, seen)]
@@ -142,6 +170,24 @@ def _check_tokens(tokens: worker_pb2.SessionTokens) -> None:
     """Raises ValueError for a call that carries no committed token at all."""
     if tokens.prefix_len == 0 and not tokens.new_token_ids:
         raise ValueError("session.new_token_ids must hold the prompt when prefix_len is 0")
+
+
+def _defer_prefills(sessions: list[worker_pb2.SessionTokens], budget: int | None) -> set[int]:
+    """Indices (into ``sessions``, in arrival order) of the calls to leave to a later batch:
+    each prefill after the first whose prompt tokens would take the batch's prefill tokens past
+    ``budget`` (None: no bound), and every later call of a session already deferred."""
+    deferred: set[int] = set()
+    waiting: set[str] = set()
+    used = 0
+    for i, tokens in enumerate(sessions):
+        prefill = len(tokens.new_token_ids) if tokens.prefix_len == 0 else 0
+        over = budget is not None and used > 0 and used + prefill > budget
+        if tokens.session_id in waiting or (prefill and over):
+            deferred.add(i)
+            waiting.add(tokens.session_id)
+        else:
+            used += prefill
+    return deferred
 
 
 def _first_sight(session_id: str, seen: set[str]) -> bool:

@@ -95,8 +95,9 @@ class TargetVerifier(SessionModel):
         Returns:
             Per request, in order: its VerifyResponse (compute_s: the whole batch's seconds,
             the time the call waited on the model), or the ValueError its input raised, which
-            leaves that session as it was and the others unaffected. A session named twice runs
-            its later calls in later forwards, in order.
+            leaves that session as it was and the others unaffected, or DEFERRED (a prefill
+            past the batch's prefill budget, SessionModel.run_batch). A session named twice
+            runs its later calls in later forwards, in order.
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._verify_distinct, _check_q)

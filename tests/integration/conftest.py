@@ -92,7 +92,9 @@ def reference(engine):
 @pytest.fixture(scope="session")
 def served(tmp_path_factory, tiny_service):
     """(client, ClusterInfo): the tiny pair deployed on a fresh local cluster."""
-    with tiny_service(tmp_path_factory.mktemp("cluster")) as (client, info, _):
+    # One prefill per batch (batch_prefill_s 0): concurrent new prompts on the tiny pair then
+    # wait for later batches, as they do on a CPU, where a second of prefill is one prompt.
+    with tiny_service(tmp_path_factory.mktemp("cluster"), batch_prefill_s=0) as (client, info, _):
         yield client, info
 
 

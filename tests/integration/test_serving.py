@@ -127,6 +127,8 @@ def test_concurrent_requests_share_verify_batches_and_stay_exact(client, referen
     # 8 concurrent requests with different prompts, k, temperatures and lengths: the target
     # replicas run their verify calls in shared packed forwards (the batch-size metric counts
     # batches of more than one session), and every greedy output equals its solo k = 0 output.
+    # `served` allows one prefill per batch: new prompts that arrive together wait for later
+    # batches (whether they do is a race on the tiny pair: test_batching pins it down).
     before = _verify_batch_counts(_scrape_metrics())
     requests = [
         build_request(

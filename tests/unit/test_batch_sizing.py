@@ -48,3 +48,23 @@ def test_a_zero_fraction_never_waits():
     sizer = BatchSizer(8, 0.0, clock=_Clock())
     sizer.observe(["a", "b"], batch_s=1.0)
     assert sizer.next_batch() == (2, 0.0)
+
+
+def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
+    # ModelReplica._batched: the batch answered DEFERRED (a prefill past its budget) twice;
+    # the call is submitted again each time, as the same (arrival, request), and returns the
+    # response of the batch that ran it.
+    import asyncio
+
+    from specdec.deployments.model_replica import ModelReplica
+    from specdec.models.session import DEFERRED
+
+    answers, seen = [DEFERRED, DEFERRED, "response"], []
+
+    async def batched(item):
+        seen.append(item)
+        return answers[len(seen) - 1]
+
+    result = asyncio.run(ModelReplica._batched(None, batched, "request"))
+    assert result == "response"
+    assert len(seen) == 3 and seen[0] is seen[1] is seen[2] and seen[0][1] == "request"

@@ -11,6 +11,7 @@ import torch
 from specdec import SpeculativeEngine
 from specdec.models import packed
 from specdec.models import verifier as verifier_module
+from specdec.models.session import DEFERRED
 from specdec.pairs.tiny import PROMPTS
 from specdec.v1 import worker_pb2
 
@@ -251,3 +252,56 @@ def test_a_call_without_committed_tokens_fails_alone(built):
     assert isinstance(responses[1], ValueError) and "new_token_ids" in str(responses[1])
     assert len(responses[0].token_ids) == 2
     assert "none" not in proposer.sessions._entries
+
+
+def test_prefills_past_the_budget_wait_for_a_later_batch_and_change_nothing(built, monkeypatch):
+    # One prefill per batch (budget 0): the other new prompts come back DEFERRED with no cache
+    # entry, a live session's decode row runs with the first prefill, and a deferred session's
+    # second call in the same batch waits with it. Resubmitted, every session decodes exactly
+    # as it does alone.
+    verifier = built.transport.verifier
+    monkeypatch.setattr(verifier, "prefill_budget", 0)
+    solo = _sessions(built, "budget-solo")[:4]
+    _solo(verifier, solo)
+    live, *new = _sessions(built, "budget")[:4]
+    live.apply(verifier.verify(live.request()))
+    requests = [new[0].request(), live.request(), new[1].request(), new[2].request()]
+    later = worker_pb2.VerifyRequest(session=requests[2].session)  # new[1] named twice
+    responses = verifier.verify_batch([*requests, later])
+    assert [r is DEFERRED for r in responses] == [False, False, True, True, True]
+    assert "budget-2" not in verifier.sessions._entries
+    assert "budget-3" not in verifier.sessions._entries
+    new[0].apply(responses[0])
+    live.apply(responses[1])
+    waiting = [(new[1], requests[2]), (new[2], requests[3])]
+    while waiting:  # what a replica does: the deferred calls join the next batch
+        responses = verifier.verify_batch([request for _, request in waiting])
+        assert sum(r is not DEFERRED for r in responses) == 1
+        for (session, _), response in zip(waiting, responses):
+            if response is not DEFERRED:
+                session.apply(response)
+        waiting = [w for w, r in zip(waiting, responses) if r is DEFERRED]
+    for session in [live, *new]:
+        while len(session.output) < NEW_TOKENS:
+            session.apply(verifier.verify(session.request()))
+    for alone, budgeted in zip(solo, [live, *new]):
+        assert budgeted.output == alone.output and budgeted.logprobs == alone.logprobs
+
+
+def test_a_budget_fits_several_prefills_and_the_draft_defers_too(built, monkeypatch):
+    proposer = built.transport.proposer
+    sessions = _sessions(built, "draft-budget")[:3]
+    lengths = [len(s.prompt) for s in sessions]
+    monkeypatch.setattr(proposer, "prefill_budget", lengths[0] + lengths[1])
+    responses = proposer.propose_batch([_propose_request(s, 2) for s in sessions])
+    assert [r is DEFERRED for r in responses] == [False, False, True]
+    assert all(len(r.token_ids) == 2 for r in responses[:2])
+    assert "draft-budget-2" not in proposer.sessions._entries
+
+
+def test_the_prefill_budget_comes_from_the_measured_prefill_cost(built):
+    # models.batch_prefill_s (1 s by default) in tokens at this replica's measured seconds per
+    # prompt token.
+    for side in (built.transport.verifier, built.transport.proposer):
+        per_token = side.calibration.chosen.prefill_s_per_token
+        assert side.prefill_budget == int(1.0 / per_token)
