@@ -37,9 +37,8 @@ def autoscaled(tmp_path_factory, tiny_service):
     # One session per forward: a replica's queue then grows with the load on its side, which
     # is what Serve's autoscaler reads. With batching, the draft's 8 steps for 6 sessions are 8
     # shared forwards, and whether it or the target queues more became a race (CI, stop 19).
-    with tiny_service(
-        tmp_path_factory.mktemp("autoscaling"), AUTOSCALING, max_batch_size=1
-    ) as (_, info, address):
+    tmp = tmp_path_factory.mktemp("autoscaling")
+    with tiny_service(tmp, AUTOSCALING, max_batch_size=1) as (_, info, address):
         yield address, info.address
 
 
