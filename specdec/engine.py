@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,22 +20,79 @@ from specdec.decoding.stopping import Delta
 from specdec.models.calibration import Calibration, cost_prior, load_calibrated
 from specdec.models.loading import LoadedModel, check_same_tokenizer
 from specdec.models.proposer import DraftProposer
+from specdec.models.session import DEFERRED
 from specdec.models.verifier import TargetVerifier
 from specdec.v1 import specdec_pb2, worker_pb2
 
 
+class LoopBatcher:
+    """Runs the calls that concurrent requests make in one turn of the event loop as one
+    batch: the in-process counterpart of a model replica's serve.batch.
+
+    Args:
+        run_batch: the side's batch method (DraftProposer.propose_batch or
+            TargetVerifier.verify_batch): requests -> per request a response, its
+            ValueError, or DEFERRED (submitted again with the next batch).
+
+    Calling it with a request returns that request's response or raises its error. The
+    batch runs on the event loop's thread, as the unbatched calls did; one event loop at a
+    time (each generate() runs its own).
+    """
+
+    def __init__(self, run_batch: Callable[[list], list]) -> None:
+        self._run_batch = run_batch
+        self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, request: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(loop, request, future)
+        return await future
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, request: Any, future: asyncio.Future):
+        if self._flush_loop is not loop:
+            # A flush scheduled on a loop that closed before running it never comes: its
+            # calls were cancelled with that loop.
+            self._pending = [p for p in self._pending if p[1].get_loop() is loop]
+            loop.call_soon(self._flush)
+            self._flush_loop = loop
+        self._pending.append((request, future))
+
+    def _flush(self) -> None:
+        loop, self._flush_loop = self._flush_loop, None
+        batch = [(r, f) for r, f in self._pending if not f.done()]
+        self._pending = []
+        if not batch:
+            return
+        try:
+            results = self._run_batch([request for request, _ in batch])
+        except Exception as error:  # the whole batch failed: each call raises it
+            results = [error] * len(batch)
+        for (request, future), result in zip(batch, results):
+            if result is DEFERRED:
+                self._submit(loop, request, future)
+            elif isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
 class LocalTransport:
-    """The round loop's transport for a draft and target living in this process."""
+    """The round loop's transport for a draft and target living in this process; the calls
+    of requests running concurrently on one event loop share batches (LoopBatcher)."""
 
     def __init__(self, proposer: DraftProposer, verifier: TargetVerifier) -> None:
         self.proposer = proposer
         self.verifier = verifier
+        self._propose = LoopBatcher(proposer.propose_batch)
+        self._verify = LoopBatcher(verifier.verify_batch)
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
-        return self.proposer.propose(request)
+        return await self._propose(request)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
-        return self.verifier.verify(request)
+        return await self._verify(request)
 
     async def release(self, session_id: str) -> None:
         request = worker_pb2.ReleaseRequest(session_id=session_id)
@@ -157,15 +214,28 @@ class SpeculativeEngine:
         Raises:
             InvalidRequestError (a ValueError) naming the invalid field.
         """
+        request = self.agenerate(prompt, params, num_speculative_tokens, messages=messages)
+        return asyncio.run(request)
 
-        async def collect() -> Completion:
-            loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
-            async with contextlib.aclosing(loop.run()) as deltas:
-                async for _ in deltas:
-                    pass
-            return loop.completion
-
-        return asyncio.run(collect())
+    async def agenerate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        num_speculative_tokens: int | str = AUTO,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+    ) -> Completion:
+        """generate() as a coroutine. Requests awaited together (asyncio.gather) share
+        batched draft and verify forwards (TargetVerifier.verify_batch,
+        DraftProposer.propose_batch), and each one's output is the one it gets alone: greedy
+        token for token; sampled with a fixed k, token for token for the same seed (target
+        rows run in exact widths, and a sampled request drafts alone); sampled with k auto, in
+        distribution (each round's k then depends on the load). Raises as generate()."""
+        loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
+        async with contextlib.aclosing(loop.run()) as deltas:
+            async for _ in deltas:
+                pass
+        return loop.completion
 
     async def generate_stream(
         self,

@@ -38,3 +38,22 @@ def force_confidence_stop(monkeypatch):
         monkeypatch.setattr(KController, "choose", choose)
 
     return force
+
+
+@pytest.fixture
+def sessions_per_forward(monkeypatch):
+    """spy(module) -> counts: spies on ``module``'s packed_forward (specdec.models.packed), and
+    ``counts`` gets each call's number of sessions."""
+
+    def spy(module) -> list[int]:
+        counts: list[int] = []
+        real_forward = module.packed_forward
+
+        def counting(model, segments, *args):
+            counts.append(len(segments))
+            return real_forward(model, segments, *args)
+
+        monkeypatch.setattr(module, "packed_forward", counting)
+        return counts
+
+    return spy

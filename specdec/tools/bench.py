@@ -1,20 +1,23 @@
 """`specdec bench`: what speculation buys, measured through the deployed service.
 
-For every prompt of a prompt set (specdec.tools.datasets), one request at a time:
+For every prompt of a prompt set (specdec.tools.datasets), one request at a time, the three
+modes one after the other before the next prompt (so that a busy host's drift over minutes
+weighs on all three alike):
 
 1. ``target_only``: the service with ``k = 0`` (plain decoding on the target deployment);
 2. ``speculative``: the same service with ``--k`` (default adaptive);
+3. ``plain_generate``: the target alone with transformers' ``generate`` in this process, in
+   the dtype measured fastest on this machine: THE baseline a user would run without us
+   (skip: ``--no-plain``);
 
-then, once the service runs are done, in this process and one mode's models at a time
-(specdec.tools.bench_inprocess; each freed before the next loads, each skipped with a printed
-reason when its models do not fit in the memory available):
+then, in this process and one mode's models at a time (specdec.tools.bench_inprocess; each
+freed before the next loads, each skipped with a printed reason when its models do not fit in
+the memory available):
 
-3. ``engine``: specdec.engine.SpeculativeEngine on the service's models, dtypes and k (skip
-   it with ``--no-engine``);
-4. ``plain_generate``: the target alone with transformers' ``generate``, in the dtype measured
-   fastest on this machine: THE baseline a user would run without us (skip: ``--no-plain``);
-5. ``hf_assisted``: Hugging Face assisted generation, the target in plain_generate's dtype, the
-   draft in the service's, its assistant settings picked by timing (skip: ``--no-hf``).
+4. ``hf_assisted``: Hugging Face assisted generation, the target in plain_generate's dtype, the
+   draft in the service's, its assistant settings picked by timing (skip: ``--no-hf``);
+5. ``engine``: specdec.engine.SpeculativeEngine on the service's models, dtypes and k (skip
+   it with ``--no-engine``).
 
 Reported per mode (specdec.tools.bench_figures): tokens per second, TTFT, the speedup over
 plain_generate (``vs plain``) and over the service's k = 0 (``vs k=0``), acceptance, tokens per
@@ -166,18 +169,26 @@ def _sampling(args, i: int) -> dict[str, Any]:
     }
 
 
-def run_service(client: SpecdecClient, prompts: Sequence[BenchPrompt], args) -> list[PromptResult]:
-    """Every prompt through the service at k = 0 and at --k, one request at a time."""
+def run_service(
+    client: SpecdecClient, prompts: Sequence[BenchPrompt], args, plain=None
+) -> list[PromptResult]:
+    """Every prompt through the service at k = 0 and at --k, one request at a time, and
+    through ``plain`` (a bench_inprocess.PlainGenerate, warmed up) right after them when
+    given."""
     from tqdm.auto import tqdm
 
+    modes = SERVICE_MODES + ((PLAIN,) if plain else ())
     results = []
-    with tqdm(total=len(prompts) * len(SERVICE_MODES), unit="run", desc="bench service") as bar:
+    with tqdm(total=len(prompts) * len(modes), unit="run", desc="bench") as bar:
         for i, prompt in enumerate(prompts):
             runs = {}
-            for mode in SERVICE_MODES:
+            for mode in modes:
                 bar.set_postfix_str(f"{prompt.id} {mode}")
-                k = 0 if mode == TARGET_ONLY else args.k
-                runs[mode] = service_run(client, prompt, mode, k, _sampling(args, i))
+                if mode == PLAIN:
+                    runs[mode] = plain.run(prompt, args.max_new_tokens, _sampling(args, i))
+                else:
+                    k = 0 if mode == TARGET_ONLY else args.k
+                    runs[mode] = service_run(client, prompt, mode, k, _sampling(args, i))
                 bar.update()
             results.append(PromptResult(prompt, runs))
     return results
@@ -193,36 +204,59 @@ def run_in_process(mode: str, runner, results: Sequence[PromptResult], args) -> 
         result.runs[mode] = runner.run(result.prompt, args.max_new_tokens, _sampling(args, i))
 
 
-def in_process_modes(info, results: Sequence[PromptResult], args, device: str) -> dict[str, str]:
-    """Runs engine, plain_generate and hf_assisted (those not skipped) on the service's model
-    files, freeing each mode's models before the next loads. Returns what each ran, in words."""
+def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
+    """plain_generate's target (bench_inprocess.PlainGenerate), warmed up, loaded while the
+    service runs so that its runs interleave with the service's; None when skipped
+    (--no-plain, the service's model files not here, or not enough memory, said why)."""
     from specdec.tools import bench_inprocess as inproc
 
-    if args.no_engine and args.no_plain and args.no_hf:
-        return {}
+    if args.no_plain or not _model_files_here(info, PLAIN):
+        return None
+    widest = max(inproc.candidate_dtypes(device), key=inproc.DTYPE_BYTES.get)
+    if not inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
+        return None
+    plain = inproc.PlainGenerate(info.target_model, device, prompts[0])
+    warm_up = {"max_new_tokens": WARM_UP_TOKENS, "temperature": args.temperature, "seed": args.seed}
+    plain.run(prompts[0], WARM_UP_TOKENS, warm_up)
+    return plain
+
+
+def in_process_modes(
+    info, results: Sequence[PromptResult], args, device: str, plain=None
+) -> dict[str, str]:
+    """Runs hf_assisted (on ``plain``'s target when it ran) and engine (those not skipped) on
+    the service's model files, freeing each mode's models, and ``plain``'s, before the next
+    loads. Returns what each ran, in words, plain_generate's included."""
+    from specdec.tools import bench_inprocess as inproc
+
+    described: dict[str, str] = {}
+    if plain:
+        described[PLAIN] = (
+            f"the target alone, transformers generate, {plain.dtype}, in process, "
+            "run right after the service's modes on each prompt"
+        )
+    if not args.no_hf and _model_files_here(info, HF_ASSISTED):
+        described.update(_hf_mode(info, results, args, device, plain))
+    if plain:
+        plain.close()
+    inproc.free_memory(device)
+    if not args.no_engine and _model_files_here(info, ENGINE):
+        described.update(_engine_mode(info, results, args, device))
+    return described
+
+
+def _model_files_here(info, mode: str) -> bool:
+    """Whether the service's model files are on this machine too (said why not)."""
+    from specdec.tools import bench_inprocess as inproc
+
     missing = [
         p
         for p in (info.draft_model, info.target_model)
         if not (Path(p).exists() or p.startswith("bundled:"))
     ]
     if missing:
-        inproc.say(f"in-process modes skipped: the service's model files {missing} are not here")
-        return {}
-    described: dict[str, str] = {}
-    if not args.no_engine:
-        described.update(_engine_mode(info, results, args, device))
-    plain = None
-    widest = max(inproc.candidate_dtypes(device), key=inproc.DTYPE_BYTES.get)
-    if not args.no_plain and inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
-        plain = inproc.PlainGenerate(info.target_model, device, results[0].prompt)
-        run_in_process(PLAIN, plain, results, args)
-        described[PLAIN] = f"the target alone, transformers generate, {plain.dtype}, in process"
-    if not args.no_hf:
-        described.update(_hf_mode(info, results, args, device, plain))
-    if plain:
-        plain.close()
-    inproc.free_memory(device)
-    return described
+        inproc.say(f"{mode} skipped: the service's model files {missing} are not here")
+    return not missing
 
 
 def _engine_mode(info, results: Sequence[PromptResult], args, device: str) -> dict[str, str]:
@@ -366,9 +400,10 @@ def main(args: argparse.Namespace) -> int:
         }
         for k in (0, args.k):
             service_run(client, prompts[0], "warm-up", k, warm_up)
-        results = run_service(client, prompts, args)
+        plain = load_plain(info, prompts, args, device)
+        results = run_service(client, prompts, args, plain)
     described = {TARGET_ONLY: f"the service with k = 0, target {info.target_dtype}"}
-    described.update(in_process_modes(info, results, args, device))
+    described.update(in_process_modes(info, results, args, device, plain))
     costs = step_costs(info)
     summary = summarize(results, greedy, costs)
     header = _header(args, info, len(prompts), device)

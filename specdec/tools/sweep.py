@@ -534,6 +534,36 @@ def _header(args, info, n_prompts: int, machine: str, command: str) -> str:
     return "\n".join(lines)
 
 
+def write_json(args, command: str, host: str, info, prompts, cell_runs) -> None:
+    """Writes --json: the run's command, machine and settings, every request record and the
+    summary of the cells run so far."""
+    config = {
+        "address": args.address,
+        "application": args.application,
+        "dataset": args.dataset,
+        "category": args.category,
+        "prompts": [p.id for p in prompts],
+        "concurrency": args.concurrency,
+        "modes": [mode_label(k) for k in args.k],
+        "max_new_tokens": args.max_new_tokens,
+        "requests_per_stream": args.requests_per_stream,
+        "temperature": 0.0,
+        "timeout_s": args.timeout,
+        "target_model": info.target_model,
+        "target_dtype": info.target_dtype,
+        "draft_model": info.draft_model,
+        "draft_dtype": info.draft_dtype,
+    }
+    report = {
+        "command": command,
+        "machine": host,
+        "config": config,
+        "requests": [r.record() for rs, _ in cell_runs for r in rs],
+        "summary": summarize(cell_runs),
+    }
+    Path(args.json).write_text(json.dumps(report, indent=1))
+
+
 def main(args: argparse.Namespace) -> int:
     """`specdec sweep` (flags: add_cli_args). Returns 1 when a greedy output differs from k=0
     or a request failed, else 0.
@@ -576,6 +606,8 @@ def main(args: argparse.Namespace) -> int:
                     client, prompts, concurrency, k, args.max_new_tokens, args.requests_per_stream
                 )
                 cell_runs.append((records, wall_s))
+                if args.json:  # after every cell: a run stopped early keeps what it measured
+                    write_json(args, command, host, info, prompts, cell_runs)
                 tokens = sum(r.tokens for r in records if r.ok)
                 failed = sum(not r.ok for r in records)
                 print(
@@ -587,36 +619,6 @@ def main(args: argparse.Namespace) -> int:
     summary = summarize(cell_runs)
     print(f"\n{_header(args, info, len(prompts), host, command)}")
     print(format_table(summary), flush=True)
-    if args.json:
-        config = {
-            "address": args.address,
-            "application": args.application,
-            "dataset": args.dataset,
-            "category": args.category,
-            "prompts": [p.id for p in prompts],
-            "concurrency": args.concurrency,
-            "modes": [mode_label(k) for k in args.k],
-            "max_new_tokens": args.max_new_tokens,
-            "requests_per_stream": args.requests_per_stream,
-            "temperature": 0.0,
-            "timeout_s": args.timeout,
-            "target_model": info.target_model,
-            "target_dtype": info.target_dtype,
-            "draft_model": info.draft_model,
-            "draft_dtype": info.draft_dtype,
-        }
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": command,
-                    "machine": host,
-                    "config": config,
-                    "requests": [r.record() for rs, _ in cell_runs for r in rs],
-                    "summary": summary,
-                },
-                indent=1,
-            )
-        )
     if args.plot:
         plot(summary, args.plot)
     mismatches = sum(c["mismatches"] for c in summary["cells"])

@@ -61,20 +61,6 @@ class _Session:
         self.logprobs += response.logprobs
 
 
-def _count_sessions_per_forward(monkeypatch, module) -> list[int]:
-    """Spies on ``module``'s packed_forward; returns the list it appends each call's number of
-    sessions to."""
-    counts: list[int] = []
-    real_forward = module.packed_forward
-
-    def counting(model, segments, *args):
-        counts.append(len(segments))
-        return real_forward(model, segments, *args)
-
-    monkeypatch.setattr(module, "packed_forward", counting)
-    return counts
-
-
 def _sessions(built, tag: str, temperatures=(0.0,)) -> list[_Session]:
     tokenizer = built.target.tokenizer
     return [
@@ -111,7 +97,7 @@ def _batched(verifier, sessions, references, rng, vocab) -> None:
             session.apply(response)
 
 
-def test_batched_verify_gives_every_session_its_solo_output(built, monkeypatch):
+def test_batched_verify_gives_every_session_its_solo_output(built, sessions_per_forward):
     # Greedy and sampled sessions, at different points of their prompts and decodes, with
     # different k each round, share forwards. Every row runs in the calibrated exact widths,
     # so each session's tokens and logprobs are bitwise what it gets alone; a sampled session's
@@ -120,7 +106,7 @@ def test_batched_verify_gives_every_session_its_solo_output(built, monkeypatch):
     verifier = built.transport.verifier
     vocab = verifier.loaded.vocab_size
     assert verifier._packing
-    shared = _count_sessions_per_forward(monkeypatch, verifier_module)
+    shared = sessions_per_forward(verifier_module)
     temperatures = (0.0, 0.0, 0.8)
     solo = _sessions(built, "solo", temperatures)
     _solo(verifier, solo)
@@ -214,14 +200,14 @@ def _propose_request(session: _Session, k: int, floor: float = 0.0) -> worker_pb
     )
 
 
-def test_batched_drafting_steps_sessions_together_until_each_stops(built, monkeypatch):
+def test_batched_drafting_steps_sessions_together_until_each_stops(built, sessions_per_forward):
     # Greedy sessions with different k (and one with a confidence stop) are stepped together,
     # each leaving the batch at its own length; a sampled session drafts alone, so its draft is
     # the one it gets when it is the only call.
     proposer = built.transport.proposer
     from specdec.models import proposer as proposer_module
 
-    widths = _count_sessions_per_forward(monkeypatch, proposer_module)
+    widths = sessions_per_forward(proposer_module)
     temperatures = (0.0, 0.0, 0.0, 0.9)
     sessions = _sessions(built, "draft", temperatures)[:4]
     ks = [3, 5, 1, 4]

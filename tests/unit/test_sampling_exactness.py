@@ -6,7 +6,10 @@ with k = 2 both are draft positions). Their empirical distributions over thousan
 samples are compared, by a chi-square goodness-of-fit test, with the exact marginals of
 target-only sampling, computed by enumerating every prefix with the target model (vocabulary of
 32). The draft is far from the target (total variation about 0.5), so rejections are frequent and
-a wrong residual shows. Seeds are fixed, so the test is deterministic.
+a wrong residual shows. Seeds are fixed, so the test is deterministic. Requests run
+NEIGHBOURS at a time through the engine's batching, so the distributions are those of a
+request with concurrent neighbours (and at a fixed k each sampled request is bitwise its solo self:
+test_neighbours_change_no_sampled_token).
 
 The same tests run with the draft truncating q to its top TOP_N tokens (below the vocabulary):
 the verifier then sees a sparse q with most tokens at probability 0, and exactness must hold
@@ -16,6 +19,7 @@ truncated one must fail.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import numpy as np
@@ -34,6 +38,7 @@ PROMPT = "w1 w2 w3"
 VOCAB = 32
 END = VOCAB  # extra category: the completion ended (EOS) before this position
 TOP_N = 4  # the truncating draft's q: 4 of the 32 tokens
+NEIGHBOURS = 8  # requests served together: their verify calls share batched forwards
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +59,25 @@ def truncating_engine(far_pair):
     return SpeculativeEngine.from_pretrained(*far_pair, draft_top_n=TOP_N)
 
 
+def _completions(engine, k, params, seeds):
+    """The completions of ``seeds``, NEIGHBOURS requests at a time sharing batches."""
+
+    async def together(group):
+        # max_new_tokens 4: the first round may then draft 2 (k is capped by the tokens left).
+        requests = [SamplingParams(max_new_tokens=4, seed=seed, **params) for seed in group]
+        return await asyncio.gather(*(engine.agenerate(PROMPT, r, k) for r in requests))
+
+    seeds = list(seeds)
+    groups = [seeds[i : i + NEIGHBOURS] for i in range(0, len(seeds), NEIGHBOURS)]
+    return [out for group in groups for out in asyncio.run(together(group))]
+
+
 def _sampled(engine, k, params, seeds, with_drafted=False):
     """[2, VOCAB + 1] counts of the tokens at completion positions 2 and 3 (and, with
     ``with_drafted``, how often each draft position was drafted)."""
     counts = np.zeros((2, VOCAB + 1))
     drafted = np.zeros(2)
-    for seed in seeds:
-        # max_new_tokens 4: the first round may then draft 2 (k is capped by the tokens left).
-        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=seed, **params), k)
+    for out in _completions(engine, k, params, seeds):
         tokens = out.token_ids
         for row in range(2):
             counts[row, tokens[row + 1] if len(tokens) > row + 1 else END] += 1
@@ -175,3 +191,24 @@ def test_the_truncated_test_catches_an_untruncated_q(truncating_engine, monkeypa
     monkeypatch.setattr(proposer, "truncate_top_n", _untruncated_q)
     broken = _sampled(truncating_engine, 2, params, range(N))
     assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6
+
+
+def test_neighbours_change_no_sampled_token(far_engine, sessions_per_forward):
+    """A sampled request served with 7 neighbours (their verify rows in the same forwards)
+    draws the tokens it draws alone, seed for seed, at a fixed k; and the neighbours did share
+    forwards. (With k auto a round's k depends on the load the controller sees, so a seed's
+    draws do too: there the distribution tests above are the claim; greedy output is the same
+    either way.)"""
+    from specdec.models import verifier
+
+    shared = sessions_per_forward(verifier)
+    cases = [(1, {"temperature": 1.0}), (2, {"temperature": 1.0}), ("auto", {"temperature": 0})]
+    for k, params in cases:
+        together = _completions(far_engine, k, params, range(2 * NEIGHBOURS))
+        alone = [
+            far_engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=seed, **params), k)
+            for seed in range(2 * NEIGHBOURS)
+        ]
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone], k
+        assert [c.logprobs for c in together] == [c.logprobs for c in alone], k
+    assert max(shared) > 1

@@ -377,6 +377,30 @@ def test_command_reports_every_cell_and_fails_on_a_mismatch(fake_service, tmp_pa
     assert "2 greedy outputs differ from k=0" in err
 
 
+def test_a_run_stopped_after_a_cell_keeps_the_cells_it_measured(
+    fake_service, tmp_path, monkeypatch
+):
+    _, address = fake_service
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "abc"}\n')
+    out = tmp_path / "out.json"
+    args = _parse([f"--address={address}", f"--dataset={data}", "--k=0,auto", f"--json={out}"])
+    real_cell, cells = sweep.run_cell, []
+
+    def stopped_after_one(*cell_args, **kwargs):
+        if cells:
+            raise KeyboardInterrupt  # the user stops the run during the second cell
+        cells.append(cell_args)
+        return real_cell(*cell_args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_cell", stopped_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.main(args)
+    report = json.loads(out.read_text())
+    assert [(c["concurrency"], c["mode"]) for c in report["summary"]["cells"]] == [(1, "k=0")]
+    assert len(report["requests"]) == 1 and report["config"]["modes"] == ["k=0", "auto"]
+
+
 def test_a_k_the_service_refuses_fails_before_any_cell(fake_service, tmp_path):
     router, address = fake_service
     data = tmp_path / "prompts.jsonl"

@@ -1,0 +1,37 @@
+"""`specdec bench`'s order of runs (specdec.tools.bench): plain generate interleaved."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.tools import bench
+from specdec.tools.bench_figures import PLAIN, SPECULATIVE, TARGET_ONLY, Run
+from specdec.tools.datasets import BenchPrompt
+
+
+class _Plain:
+    def __init__(self, order: list) -> None:
+        self.order = order
+
+    def run(self, prompt, max_new_tokens, sampling):
+        self.order.append((prompt.id, PLAIN, max_new_tokens, sampling["seed"]))
+        return Run(PLAIN, [1], "x", 1.0, 0.1)
+
+
+def test_plain_generate_runs_right_after_the_service_modes_of_each_prompt(monkeypatch):
+    # Each prompt's three runs come one after the other, so that a host's drift over the run
+    # weighs on all three modes of a prompt alike; the plain run gets the same tokens and seed.
+    order: list = []
+
+    def service_run(client, prompt, mode, k, sampling):
+        order.append((prompt.id, mode, sampling["max_new_tokens"], sampling["seed"]))
+        return Run(mode, [1], "x", 1.0, 0.1)
+
+    monkeypatch.setattr(bench, "service_run", service_run)
+    prompts = [BenchPrompt(id=f"p{i}", category="c", prompt=f"text {i}") for i in range(3)]
+    args = argparse.Namespace(max_new_tokens=7, temperature=0.0, seed=10, k=None)
+    results = bench.run_service(None, prompts, args, _Plain(order))
+    modes = (TARGET_ONLY, SPECULATIVE, PLAIN)
+    assert order == [(f"p{i}", mode, 7, 10 + i) for i in range(3) for mode in modes]
+    assert [sorted(r.runs) for r in results] == [sorted(modes)] * 3
+    assert bench.run_service(None, prompts[:1], args)[0].runs.keys() == {TARGET_ONLY, SPECULATIVE}
