@@ -10,9 +10,10 @@
 6. Runs `specdec bench` on the first HumanEval prompts and prints its table; the JSON and the
    plot go to ``--out`` (default ``bench-results/``). Besides the service at k = 0 and
    speculative, it runs plain_generate (the target alone, transformers generate, fastest dtype
-   here: the baseline of ``vs plain``); HF assisted generation (transformers' default
-   assistant settings) only with ``--hf``, and no in-process engine, to keep `make run` short
-   (`specdec bench` runs both by default, HF at its best settings).
+   here: the baseline of ``vs plain``), right after them on each prompt; HF assisted
+   generation (transformers' default assistant settings) only with ``--hf``, and no in-process
+   engine, to keep `make run` short (`specdec bench` runs both by default, HF at its best
+   settings).
 7. Stops exactly the cluster it started, whatever happened (a cluster that was already running
    is used, redeployed with local.yaml, and left running).
 """
