@@ -85,8 +85,9 @@ class LocalTransport:
     def __init__(self, proposer: DraftProposer, verifier: TargetVerifier) -> None:
         self.proposer = proposer
         self.verifier = verifier
-        self._propose = LoopBatcher(proposer.propose_batch)
-        self._verify = LoopBatcher(verifier.verify_batch)
+        # Looked up per batch, so that a replaced side (or a test's spy) is the one called.
+        self._propose = LoopBatcher(lambda requests: self.proposer.propose_batch(requests))
+        self._verify = LoopBatcher(lambda requests: self.verifier.verify_batch(requests))
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         return await self._propose(request)

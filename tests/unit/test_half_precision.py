@@ -110,29 +110,22 @@ def test_fixed_width_makes_target_logits_independent_of_k(bf16_engine, k):
         assert out.logprobs == expected.logprobs, (prompt, k)
 
 
-def test_fixed_width_padding_never_stays_in_the_cache(bf16_engine):
+def test_fixed_width_padding_never_stays_in_the_cache(bf16_engine, monkeypatch):
     verifier = bf16_engine.transport.verifier
     seen = []
-    original = verifier.verify
+    original = verifier.verify_batch
 
-    def spy(request):
-        response = original(request)
-        entry = verifier.sessions._entries.get(request.session.session_id)
-        if entry is not None:
-            seen.append(
-                (
-                    len(entry.cached_ids),
-                    request.session.prefix_len + len(request.session.new_token_ids),
-                    response.num_accepted,
-                )
-            )
-        return response
+    def spy(requests):
+        responses = original(requests)
+        for request, response in zip(requests, responses):
+            entry = verifier.sessions._entries.get(request.session.session_id)
+            if entry is not None:
+                committed = request.session.prefix_len + len(request.session.new_token_ids)
+                seen.append((len(entry.cached_ids), committed, response.num_accepted))
+        return responses
 
-    verifier.verify = spy
-    try:
-        bf16_engine.generate(PROMPTS[0], GREEDY, 4)
-    finally:
-        del verifier.verify
+    monkeypatch.setattr(verifier, "verify_batch", spy)
+    bf16_engine.generate(PROMPTS[0], GREEDY, 4)
     assert seen
     # The cache holds the committed tokens plus the accepted drafts, never the padding.
     assert all(cached == committed + accepted for cached, committed, accepted in seen)
