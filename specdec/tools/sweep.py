@@ -554,12 +554,13 @@ def write_json(args, command: str, host: str, info, prompts, cell_runs) -> None:
         "draft_model": info.draft_model,
         "draft_dtype": info.draft_dtype,
     }
+    summary = summarize(cell_runs)  # first: it sets each record's match against k=0
     report = {
         "command": command,
         "machine": host,
         "config": config,
         "requests": [r.record() for rs, _ in cell_runs for r in rs],
-        "summary": summarize(cell_runs),
+        "summary": summary,
     }
     Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -371,6 +371,9 @@ def test_command_reports_every_cell_and_fails_on_a_mismatch(fake_service, tmp_pa
     assert cells[2, "auto"]["mismatches"] == 0 and cells[2, "auto"]["checked"] == 2
     assert all(c["tokens"] == 3 * c["requests"] for c in cells.values())
     assert len(report["requests"]) == 9
+    matches = [(r["concurrency"], r["mode"], r["match"]) for r in report["requests"]]
+    assert [m for c, mode, m in matches if mode != "k=3"] == [True] * 6
+    assert [m for c, mode, m in matches if mode == "k=3"] == [False, False, True]
     assert report["config"]["modes"] == ["k=0", "auto", "k=3"]
     out, err = capsys.readouterr()
     assert "# machine (sweep process): " in out and "# command: " in out
