@@ -207,10 +207,10 @@ def run_in_process(mode: str, runner, results: Sequence[PromptResult], args) -> 
 def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
     """plain_generate's target (bench_inprocess.PlainGenerate), warmed up, loaded while the
     service runs so that its runs interleave with the service's; None when skipped
-    (--no-plain, the service's model files not here, or not enough memory, said why)."""
+    (--no-plain, or not enough memory, said why)."""
     from specdec.tools import bench_inprocess as inproc
 
-    if args.no_plain or not _model_files_here(info, PLAIN):
+    if args.no_plain:
         return None
     widest = max(inproc.candidate_dtypes(device), key=inproc.DTYPE_BYTES.get)
     if not inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
@@ -235,18 +235,19 @@ def in_process_modes(
             f"the target alone, transformers generate, {plain.dtype}, in process, "
             "run right after the service's modes on each prompt"
         )
-    if not args.no_hf and _model_files_here(info, HF_ASSISTED):
+    if not args.no_hf:
         described.update(_hf_mode(info, results, args, device, plain))
     if plain:
         plain.close()
     inproc.free_memory(device)
-    if not args.no_engine and _model_files_here(info, ENGINE):
+    if not args.no_engine:
         described.update(_engine_mode(info, results, args, device))
     return described
 
 
-def _model_files_here(info, mode: str) -> bool:
-    """Whether the service's model files are on this machine too (said why not)."""
+def model_files_here(info) -> bool:
+    """Whether the service's model files are on this machine too, for the in-process modes
+    (said why not)."""
     from specdec.tools import bench_inprocess as inproc
 
     missing = [
@@ -255,7 +256,7 @@ def _model_files_here(info, mode: str) -> bool:
         if not (Path(p).exists() or p.startswith("bundled:"))
     ]
     if missing:
-        inproc.say(f"{mode} skipped: the service's model files {missing} are not here")
+        inproc.say(f"in-process modes skipped: the service's model files {missing} are not here")
     return not missing
 
 
@@ -400,10 +401,12 @@ def main(args: argparse.Namespace) -> int:
         }
         for k in (0, args.k):
             service_run(client, prompts[0], "warm-up", k, warm_up)
-        plain = load_plain(info, prompts, args, device)
+        local = model_files_here(info)
+        plain = load_plain(info, prompts, args, device) if local else None
         results = run_service(client, prompts, args, plain)
     described = {TARGET_ONLY: f"the service with k = 0, target {info.target_dtype}"}
-    described.update(in_process_modes(info, results, args, device, plain))
+    if local:
+        described.update(in_process_modes(info, results, args, device, plain))
     costs = step_costs(info)
     summary = summarize(results, greedy, costs)
     header = _header(args, info, len(prompts), device)
