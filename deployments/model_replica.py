@@ -13,6 +13,7 @@ from specdec.deployments.batching import BatchSizer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.models.calibration import load_calibrated
+from specdec.models.calibration_cache import CalibrationCache
 from specdec.models.session import DEFERRED, Deferred, SessionModel
 from specdec.v1 import specdec_pb2, worker_pb2
 
@@ -56,6 +57,7 @@ class ModelReplica:
             device=device,
             max_speculative_tokens=config.speculation.max_speculative_tokens,
             exact_widths=config.models.fixed_shape_verify is not False,
+            cache=CalibrationCache.configured(config.models.calibration_cache),
         ).result()
         self._dtype = self.calibration.dtype
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()

@@ -94,6 +94,13 @@ class ModelConfig(_Section):
     lost, frees its memory then instead of waiting for the LRU. A live session idle that long
     is rebuilt from its token ids on its next call."""
 
+    calibration_cache: str | None = None
+    """Folder where replicas keep their start-up calibrations (specdec.models.calibration_cache):
+    a replica whose model architecture, settings and device match a stored one reuses it after
+    checking its exact widths again (seconds instead of minutes on a CPU). Null:
+    `$SPECDEC_CALIBRATION_CACHE`, else `~/.cache/specdec/calibration`; an empty string: measure
+    at every start."""
+
     fixed_shape_verify: bool | None = None
     """Pad every target decode forward to an exact width, so that greedy output cannot depend
     on k through rounding: the target replica measures at start-up which forward widths give a

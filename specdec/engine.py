@@ -18,6 +18,7 @@ from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
 from specdec.models.calibration import Calibration, cost_prior, load_calibrated
+from specdec.models.calibration_cache import CalibrationCache
 from specdec.models.loading import LoadedModel, check_same_tokenizer
 from specdec.models.proposer import DraftProposer
 from specdec.models.session import DEFERRED
@@ -191,6 +192,7 @@ class SpeculativeEngine:
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 exact_widths=models.fixed_shape_verify is not False,
+                cache=CalibrationCache.configured(models.calibration_cache),
             )
         return cls(loaded["draft"], loaded["target"], config, calibrations=calibrations)
 

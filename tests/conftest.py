@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from specdec import SpeculativeEngine
+from specdec.models.calibration_cache import CACHE_ENV
 from specdec.pairs.tiny import save_pair
+
+# Every replica and engine the tests start measures its device: a calibration stored by an
+# earlier run (or by the user's own deploys) must not stand in for the behaviour a test checks.
+# Ray workers inherit it from the cluster processes the tests start.
+os.environ[CACHE_ENV] = ""
 
 
 @pytest.fixture(scope="session")

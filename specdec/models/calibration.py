@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -47,6 +48,9 @@ from specdec.models.fixed_shape import (
 )
 from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR, onednn_available, set_gemm, split_candidate
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
+
+if TYPE_CHECKING:
+    from specdec.models.calibration_cache import CalibrationCache
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ CHOICE_MARGIN = 0.1
 # a busy 2-core host put the bundled target in bfloat16 (whose 32-token prefill then took 4x
 # float32's) in one run and float32 in the next.
 TIMING_REPEATS = 2
+HALF_DTYPES = ("bfloat16", "float16")  # a target in these gets one exact width (_exact_widths)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -144,6 +149,7 @@ class Calibration:
     automatic: bool
     candidates: tuple[DtypeMeasurement, ...]
     seconds: float
+    reused: bool = False  # taken from a CalibrationCache (its exact widths checked again)
 
     @property
     def chosen(self) -> DtypeMeasurement:
@@ -152,7 +158,7 @@ class Calibration:
     def to_proto(self, message) -> None:
         """Fills a specdec.v1.DeviceCalibration message."""
         message.device, message.dtype, message.automatic = self.device, self.dtype, self.automatic
-        message.seconds = self.seconds
+        message.seconds, message.reused = self.seconds, self.reused
         exact = self.chosen.exact
         message.exact_widths.extend(exact.widths if exact else ())
         for candidate in self.candidates:
@@ -192,10 +198,15 @@ def load_calibrated(
     device: str = "cpu",
     max_speculative_tokens: int,
     exact_widths: bool = True,
+    cache: CalibrationCache | None = None,
 ) -> tuple[LoadedModel, Calibration]:
     """Loads a model (specdec.models.loading.load_model) and calibrates it: in ``dtype``, or,
     for ``dtype="auto"``, in the fastest of candidate_dtypes(role, device) (loaded in float32,
     each candidate a cast of it). ``exact_widths`` as for calibrate.
+
+    With a ``cache`` (specdec.models.calibration_cache), a calibration made before for the same
+    architecture, settings and device is reused instead of measured (minutes on a CPU), once
+    its exact widths pass the whole-model check on this model again; a new one is stored.
 
     Raises:
         ModelLoadError: as load_model.
@@ -205,17 +216,67 @@ def load_calibrated(
     loaded = load_model(
         spec, dtype="float32" if automatic else split_candidate(dtype)[0], device=device
     )
-    with _one_at_a_time(device):
-        result = calibrate(
-            loaded,
-            role,
-            dtypes,
-            max_speculative_tokens=max_speculative_tokens,
-            automatic=automatic,
-            exact_widths=exact_widths,
-        )
+    key = cache and cache.key(
+        loaded.model,
+        role,
+        dtypes,
+        device=device,
+        max_speculative_tokens=max_speculative_tokens,
+        exact_widths=exact_widths,
+    )
+    stored = cache.load(key) if cache else None
+    result = stored and _reuse(loaded, role, stored, max_speculative_tokens, exact_widths)
+    if not result:
+        with _one_at_a_time(device):
+            result = calibrate(
+                loaded,
+                role,
+                dtypes,
+                max_speculative_tokens=max_speculative_tokens,
+                automatic=automatic,
+                exact_widths=exact_widths,
+            )
+        if cache:
+            cache.save(key, result[1])
     _return_freed_memory()
     return result
+
+
+def _reuse(
+    loaded: LoadedModel,
+    role: str,
+    stored: Calibration,
+    max_speculative_tokens: int,
+    exact_widths: bool,
+) -> tuple[LoadedModel, Calibration] | None:
+    """``loaded`` set up as ``stored`` chose (dtype, GEMM, row-wise attention), or None when its
+    exact widths fail the whole-model check here (the caller measures again)."""
+    start = time.perf_counter()
+    base, gemm = split_candidate(stored.dtype)
+    model = _cast(loaded.model, base) if stored.automatic else loaded.model
+    target = role == "target"
+    set_gemm(model, gemm, max_speculative_tokens + 1 if target else 1)
+    exact = stored.chosen.exact
+    if target and exact_widths:
+        use_row_wise_attention(model)
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            if exact is None or not whole_forward_exact(
+                model, loaded.vocab_size, exact.widths, generator
+            ):
+                log.warning("the stored %s calibration has no exact widths here: measuring", role)
+                set_gemm(loaded.model, "")
+                return None
+    log.info(
+        "%s runs in %s on %s (%s; reused a calibration measured in %.1f s, checked in %.1f s)",
+        role,
+        stored.dtype,
+        stored.device,
+        "chosen by measurement" if stored.automatic else "configured",
+        stored.seconds,
+        time.perf_counter() - start,
+    )
+    return dataclasses.replace(loaded, model=model), dataclasses.replace(stored, reused=True)
 
 
 def _return_freed_memory() -> None:
@@ -431,16 +492,16 @@ def _measure(
     def hopeless(costs: list[float]) -> bool:
         guess = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
         return best is not None and (
-            _optimistic_s(guess, max_width, target) > SLOWER_CUTOFF * best.predicted_s
+            _optimistic_s(guess, max_width, target, exact_widths) > SLOWER_CUTOFF * best.predicted_s
         )
 
     costs, cut = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
     measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed (or cut short as hopeless) cannot win: skip its (long) exactness measurement.
-    optimistic = _optimistic_s(measured, max_width, target)
+    optimistic = _optimistic_s(measured, max_width, target, exact_widths)
     if exact_widths and not cut and (best is None or optimistic < best.predicted_s):
-        half = split_candidate(dtype)[0] in ("bfloat16", "float16")
+        half = split_candidate(dtype)[0] in HALF_DTYPES
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
         measured = dataclasses.replace(measured, exact=exact)
     return measured
@@ -456,9 +517,26 @@ def _timed_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, Dy
     return seconds, cache
 
 
-def _optimistic_s(measured: DtypeMeasurement, max_width: int, target: bool) -> float:
-    """predicted_request_seconds with every width taken as exact (a target)."""
-    return predicted_request_seconds(measured, max_width - 1 - EXTRA_WIDTHS, target)
+def _optimistic_s(
+    measured: DtypeMeasurement, max_width: int, target: bool, exact_widths: bool = False
+) -> float:
+    """predicted_request_seconds with every width that could turn out exact taken as exact: all
+    of them, or, for a half-precision target that needs exact widths, the best single width
+    (the only classes _exact_widths allows it). Measured case: on the 2-core AVX2 EPYC the
+    bundled target's bfloat16 costs 0.30 s at one row and 2.8 s at 17; with every width taken
+    as exact it was never cut, and its full measurement cost 70 s of a deploy to lose."""
+    k_max = max_width - 1 - EXTRA_WIDTHS
+    half = split_candidate(measured.dtype)[0] in HALF_DTYPES
+    if not (target and exact_widths and half):
+        return predicted_request_seconds(measured, k_max, target)
+    return min(
+        predicted_request_seconds(
+            dataclasses.replace(measured, exact=ExactWidths((width,), measured.forward_s)),
+            k_max,
+            target,
+        )
+        for width in range(1, max_width + 1)
+    )
 
 
 def _forward_costs(

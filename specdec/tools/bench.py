@@ -371,6 +371,8 @@ def _header(args, info, n_prompts: int, device: str) -> str:
         calibration = getattr(info, f"{role}_calibration")
         if calibration.device:
             how = "chosen by measurement" if calibration.automatic else "as configured"
+            if calibration.reused:
+                how += f"; reused a calibration of {calibration.seconds:.0f} s"
             lines.append(f"# {role} replica: {calibration.device}; {calibration.dtype} ({how})")
     return "\n".join(lines)
 

@@ -139,20 +139,22 @@ class ModelInfo(_message.Message):
     def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ..., target_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ...) -> None: ...
 
 class DeviceCalibration(_message.Message):
-    __slots__ = ("device", "dtype", "automatic", "candidates", "exact_widths", "seconds")
+    __slots__ = ("device", "dtype", "automatic", "candidates", "exact_widths", "seconds", "reused")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     EXACT_WIDTHS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     device: str
     dtype: str
     automatic: bool
     candidates: _containers.RepeatedCompositeFieldContainer[DtypeCost]
     exact_widths: _containers.RepeatedScalarFieldContainer[int]
     seconds: float
-    def __init__(self, device: _Optional[str] = ..., dtype: _Optional[str] = ..., automatic: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[DtypeCost, _Mapping]]] = ..., exact_widths: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    reused: bool
+    def __init__(self, device: _Optional[str] = ..., dtype: _Optional[str] = ..., automatic: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[DtypeCost, _Mapping]]] = ..., exact_widths: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class DtypeCost(_message.Message):
     __slots__ = ("dtype", "forward_s", "cache_tokens", "exact")

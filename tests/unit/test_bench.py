@@ -35,3 +35,23 @@ def test_plain_generate_runs_right_after_the_service_modes_of_each_prompt(monkey
     assert order == [(f"p{i}", mode, 7, 10 + i) for i in range(3) for mode in modes]
     assert [sorted(r.runs) for r in results] == [sorted(modes)] * 3
     assert bench.run_service(None, prompts[:1], args)[0].runs.keys() == {TARGET_ONLY, SPECULATIVE}
+
+
+def test_the_header_says_which_calibration_a_replica_reused():
+    from specdec.v1 import specdec_pb2
+
+    info = specdec_pb2.ModelInfo(target_model="/m/t", draft_model="/m/d")
+    info.target_calibration.MergeFrom(
+        specdec_pb2.DeviceCalibration(device="cpu: X", dtype="float32+dnnl", automatic=True,
+                                      seconds=281.4, reused=True)
+    )  # fmt: skip
+    info.draft_calibration.MergeFrom(
+        specdec_pb2.DeviceCalibration(device="cpu: X", dtype="int8", automatic=True, seconds=56)
+    )
+    args = argparse.Namespace(
+        dataset="humaneval", category=None, max_new_tokens=8, temperature=0.0, k=None
+    )
+    lines = bench._header(args, info, 3, "cpu").splitlines()
+    assert "# target replica: cpu: X; float32+dnnl (chosen by measurement; reused a " \
+        "calibration of 281 s)" in lines  # fmt: skip
+    assert "# draft replica: cpu: X; int8 (chosen by measurement)" in lines

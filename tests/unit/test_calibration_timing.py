@@ -3,6 +3,9 @@ and candidates cut short once a few widths show they cannot win."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from specdec.models import calibration
@@ -54,3 +57,29 @@ def test_a_candidate_predicted_slower_is_cut_short(tiny_pair, monkeypatch):
     assert costs[2] == pytest.approx((costs[1] + costs[3]) / 2)
     assert costs[5] == pytest.approx((costs[3] * 2 + costs[7] * 2) / 4)
     assert result.dtype == "float32"
+
+
+def test_a_half_precision_target_is_priced_at_its_best_single_width():
+    """A half-precision target may only get one exact width (_exact_widths), so the bound that
+    decides whether it is worth measuring further prices it at its best single width: with a
+    cost that rises with the width, one width cannot serve both plain decoding (1 row) and long
+    drafts, and the bound is above the every-width one, yet no single width beats it."""
+    k_max = 4
+    max_width = k_max + 1 + calibration.EXTRA_WIDTHS
+    costs = tuple(1.0 + 0.25 * (w - 1) for w in range(1, max_width + 1))
+    half = calibration.DtypeMeasurement("bfloat16", costs, 0.01, None, math.inf)
+    bound = calibration._optimistic_s(half, max_width, target=True, exact_widths=True)
+    every_width = calibration._optimistic_s(half, max_width, target=True, exact_widths=False)
+    assert bound > every_width * 1.05
+    singles = [
+        calibration.predicted_request_seconds(
+            dataclasses.replace(half, exact=calibration.ExactWidths((w,), costs)), k_max, True
+        )
+        for w in range(1, max_width + 1)
+    ]
+    assert bound == pytest.approx(min(singles))
+    as_float32 = dataclasses.replace(half, dtype="float32")
+    assert calibration._optimistic_s(as_float32, max_width, True, True) == every_width
+    assert calibration._optimistic_s(half, max_width, target=False, exact_widths=True) == (
+        calibration.predicted_request_seconds(half, k_max, False)
+    )

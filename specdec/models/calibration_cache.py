@@ -1,0 +1,158 @@
+"""Calibrations kept on disk, so that a replica starting again on the same kind of device skips
+the minutes of measurement (cf. TensorRT's timing cache, Triton's autotuning cache).
+
+What a calibration finds is a property of the model's architecture on a device: forward cost by
+width and the widths whose rows agree bitwise depend on the layer shapes, the dtype and the
+kernels that run them, not on the weights' values. The key therefore holds the architecture
+(the model config), the settings that shape the measurement (role, candidate dtypes, k_max,
+exact widths on or off), the device as describe_device words it (CPU model, ISA flags, the
+kernel level PyTorch dispatches to, oneDNN's ISA cap, threads), the torch and transformers
+versions, the measurement's constants and FORMAT. Anything else that changes what a
+measurement means must bump FORMAT.
+
+A reused calibration still checks its exact widths on the loaded model before it is trusted
+(specdec.models.calibration.load_calibrated): exactness is the product, timings only a choice.
+
+Measured on the bundled target (2-core AVX2 EPYC): a measurement took 122 s in process and
+281 s inside a local cluster; reusing one takes its whole-model check, about 5 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from specdec.models import calibration as measurement
+from specdec.models.calibration import Calibration, DtypeMeasurement, ExactWidths
+from specdec.models.device import describe_device
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "SPECDEC_CALIBRATION_CACHE"
+DEFAULT_DIR = "~/.cache/specdec/calibration"
+FORMAT = 1  # bump when what a calibration measures, or how, changes
+# The measurement's own settings go into the key too, so changing one never reuses old results.
+_SETTINGS = (
+    "CACHE_TOKENS",
+    "PREFILL_TOKENS",
+    "TYPICAL_PROMPT_TOKENS",
+    "TYPICAL_NEW_TOKENS",
+    "CLASS_ACCEPTANCES",
+    "DRAFT_WIDTHS",
+    "EXTRA_WIDTHS",
+    "SLOWER_CUTOFF",
+    "CHOICE_MARGIN",
+    "TIMING_REPEATS",
+)
+
+
+class CalibrationCache:
+    """A folder of calibrations, one JSON file per key (written atomically, so replicas
+    starting together on one host never read half a file).
+
+    Errors never reach the replica: an unreadable or stale entry is measured again, and a
+    folder that cannot be written only loses the reuse (both logged)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(os.path.expandvars(os.fspath(directory))).expanduser()
+
+    @classmethod
+    def configured(cls, setting: str | None) -> CalibrationCache | None:
+        """The cache a ``models.calibration_cache`` setting names: None (the setting unset)
+        means ``$SPECDEC_CALIBRATION_CACHE``, else DEFAULT_DIR; an empty string turns it off."""
+        directory = os.environ.get(CACHE_ENV, DEFAULT_DIR) if setting is None else setting
+        return cls(directory) if directory else None
+
+    def key(
+        self,
+        model: torch.nn.Module,
+        role: str,
+        dtypes: list[str],
+        *,
+        device: str | torch.device,
+        max_speculative_tokens: int,
+        exact_widths: bool,
+    ) -> str:
+        """The hex SHA-256 naming what decides a calibration of ``model`` (see the module)."""
+        architecture = {
+            name: value
+            for name, value in model.config.to_dict().items()
+            if not name.startswith("_") and name != "transformers_version"
+        }
+        fields = {
+            "format": FORMAT,
+            "settings": {name: getattr(measurement, name) for name in _SETTINGS},
+            "architecture": [type(model).__name__, architecture],
+            "role": role,
+            "dtypes": list(dtypes),
+            "max_speculative_tokens": max_speculative_tokens,
+            "exact_widths": exact_widths,
+            "device": describe_device(device),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        text = json.dumps(fields, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def load(self, key: str) -> Calibration | None:
+        """The calibration stored under ``key``; None when there is none or it is unreadable."""
+        path = self._path(key)
+        try:
+            return _from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("ignoring the unreadable calibration %s: %s", path, err)
+            return None
+
+    def save(self, key: str, calibration: Calibration) -> None:
+        """Stores ``calibration`` under ``key`` (replacing what was there)."""
+        path = self._path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                "w", dir=self.directory, prefix=".tmp-", suffix=".json", delete=False
+            ) as handle:
+                json.dump(dataclasses.asdict(calibration), handle)
+            os.replace(handle.name, path)
+        except OSError as err:
+            log.warning("cannot keep the calibration in %s: %s", self.directory, err)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+
+def _from_json(data: dict[str, Any]) -> Calibration:
+    candidates = []
+    for candidate in data["candidates"]:
+        exact = candidate["exact"]
+        candidates.append(
+            DtypeMeasurement(
+                dtype=candidate["dtype"],
+                forward_s=tuple(candidate["forward_s"]),
+                prefill_s_per_token=float(candidate["prefill_s_per_token"]),
+                exact=ExactWidths(tuple(exact["widths"]), tuple(exact["forward_s"]))
+                if exact
+                else None,
+                predicted_s=float(candidate["predicted_s"]),
+                cache_tokens=int(candidate["cache_tokens"]),
+            )
+        )
+    if not any(candidate.dtype == data["dtype"] for candidate in candidates):
+        raise ValueError(f"the chosen dtype {data['dtype']!r} is not among the candidates")
+    return Calibration(
+        device=data["device"],
+        dtype=data["dtype"],
+        automatic=bool(data["automatic"]),
+        candidates=tuple(candidates),
+        seconds=float(data["seconds"]),
+    )
