@@ -99,7 +99,7 @@ class ModelConfig(_Section):
     a replica whose model architecture, settings and device match a stored one reuses it after
     checking its exact widths again (seconds instead of minutes on a CPU). Null:
     `$SPECDEC_CALIBRATION_CACHE`, else `~/.cache/specdec/calibration`; an empty string: measure
-    at every start."""
+    at every start. Delete the folder to measure again (e.g. after a start on a busy host)."""
 
     fixed_shape_verify: bool | None = None
     """Pad every target decode forward to an exact width, so that greedy output cannot depend
