@@ -524,7 +524,8 @@ def _optimistic_s(
     of them, or, for a half-precision target that needs exact widths, the best single width
     (the only classes _exact_widths allows it). Measured case: on the 2-core AVX2 EPYC the
     bundled target's bfloat16 costs 0.30 s at one row and 2.8 s at 17; with every width taken
-    as exact it was never cut, and its full measurement cost 70 s of a deploy to lose."""
+    as exact it was never cut on an idle host, where this bound cuts it (inside a busy local
+    cluster its one-row cost still keeps it in)."""
     k_max = max_width - 1 - EXTRA_WIDTHS
     half = split_candidate(measured.dtype)[0] in HALF_DTYPES
     if not (target and exact_widths and half):
