@@ -120,16 +120,14 @@ class OpenAIRoutes:
             events = self._http_events(loop, responder, method, start)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            async with contextlib.aclosing(loop.run()) as deltas:
-                async for _ in deltas:
-                    pass
+            completion = await loop.complete()
         except asyncio.CancelledError:  # the client went away: run() has released the session
             self.metrics.record_request(method, "CANCELLED")
             raise
         except Exception as err:  # noqa: BLE001
             return self._http_error_response(method, err, parsed)
-        self._succeed(method, loop.completion, start)
-        return JSONResponse(responder.response(loop.completion))
+        self._succeed(method, completion, start)
+        return JSONResponse(responder.response(completion))
 
     async def _http_events(
         self, loop: RoundLoop, responder: Responder, method: str, start: float

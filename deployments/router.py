@@ -278,15 +278,12 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         """Unary generation: the whole completion with usage and stats."""
         start = time.perf_counter()
         try:
-            loop = await self._round_loop(request)
-            async with contextlib.aclosing(loop.run()) as deltas:
-                async for _ in deltas:
-                    pass
+            completion = await (await self._round_loop(request)).complete()
         except Exception as err:  # noqa: BLE001 - every failure becomes a gRPC status
             self._fail("Generate", err, grpc_context)
             return specdec_pb2.GenerateResponse()
-        self._succeed("Generate", loop.completion, start)
-        return _response(loop.completion, request.logprobs)
+        self._succeed("Generate", completion, start)
+        return _response(completion, request.logprobs)
 
     async def GenerateStream(
         self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext

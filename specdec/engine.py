@@ -234,11 +234,7 @@ class SpeculativeEngine:
         token for token; sampled with a fixed k, token for token for the same seed (target
         rows run in exact widths, and a sampled request drafts alone); sampled with k auto, in
         distribution (each round's k then depends on the load). Raises as generate()."""
-        loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
-        async with contextlib.aclosing(loop.run()) as deltas:
-            async for _ in deltas:
-                pass
-        return loop.completion
+        return await self._round_loop(prompt, params, num_speculative_tokens, messages).complete()
 
     async def generate_stream(
         self,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -10,10 +12,17 @@ from specdec import SpeculativeEngine
 from specdec.models.calibration_cache import CACHE_ENV
 from specdec.pairs.tiny import save_pair
 
-# Every replica and engine the tests start measures its device: a calibration stored by an
-# earlier run (or by the user's own deploys) must not stand in for the behaviour a test checks.
-# Ray workers inherit it from the cluster processes the tests start.
-os.environ[CACHE_ENV] = ""
+# The replicas and engines the tests start keep their calibrations in a folder of this test
+# session only: the first of each model shape, setting and device measures, and later ones (the
+# second replica, the next module's cluster, the next engine) reuse it after the exactness check,
+# as a repeated deploy does. Nothing stored by an earlier run or by the user's own deploys is
+# read. Ray workers inherit the variable from the cluster processes the tests start.
+CALIBRATIONS = tempfile.mkdtemp(prefix="specdec-test-calibrations-")
+os.environ[CACHE_ENV] = CALIBRATIONS
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(CALIBRATIONS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

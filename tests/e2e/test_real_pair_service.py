@@ -2,10 +2,15 @@
 
 Needs ``pip install 'specdec[qwen-coder]'`` (``make test`` installs it); skipped otherwise. The
 config is the shipped deployments/config/local.yaml (dtype auto: each replica measures its
-dtypes at start-up) with free ports and one replica per deployment.
+dtypes at start-up) with free ports and one replica per deployment. The replicas reuse the
+calibrations the in-process e2e engine made in this test session when it ran first
+(conftest.real_pair_args), after checking their exact widths again on their own models.
 """
 
 from __future__ import annotations
+
+import gc
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,9 +36,9 @@ CHAT = [{"role": "user", "content": "Name three uses of a hash map, one line eac
 
 
 @pytest.fixture(scope="module")
-def real_service(tmp_path_factory):
-    from specdec.deployments.deploy import resolve_bundled
-
+def real_deploy(tmp_path_factory, real_pair_args):
+    """(client, whether calibrations of this test session were there to reuse)."""
+    gc.collect()  # the in-process engine of test_real_pair, if it ran
     tmp = tmp_path_factory.mktemp("real-pair")
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     port = free_port()
@@ -42,12 +47,17 @@ def real_service(tmp_path_factory):
     for deployment in config["applications"][0]["deployments"]:
         deployment.pop("autoscaling_config")
         deployment["num_replicas"] = 1
-    # Converts the pair on first use (minutes, once); the args are the shipped config's.
-    config["applications"][0]["args"].update(resolve_bundled(LOCAL_CONFIG))
+    config["applications"][0]["args"].update(real_pair_args)
+    stored = any(Path(real_pair_args["calibration_cache"]).iterdir())
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     with serving(tmp, path, port, deploy_timeout_s=900, call_timeout_s=600) as (client, _, _):
-        yield client
+        yield client, stored
+
+
+@pytest.fixture(scope="module")
+def real_service(real_deploy):
+    return real_deploy[0]
 
 
 def _generate(client, k, **fields):
@@ -56,14 +66,18 @@ def _generate(client, k, **fields):
     return response
 
 
-def test_model_info_reports_the_pair_and_its_dtypes(real_service):
-    info = real_service.model_info()
+def test_model_info_reports_the_pair_and_its_dtypes(real_deploy):
+    client, stored = real_deploy
+    info = client.model_info()
     assert info.vocab_size == 151936
     assert "1.5b" in info.target_model.lower() and "0.5b" in info.draft_model.lower()
     # dtype auto: both replicas measured their candidates on this CPU and report the choice.
     target, draft = info.target_calibration, info.draft_calibration
     assert (target.dtype, draft.dtype) == (info.target_dtype, info.draft_dtype)
     assert target.automatic and draft.automatic and target.device.startswith("cpu: ")
+    # Both replicas reuse what the in-process engine measured with the same settings on this
+    # device (when it ran first), and measure from scratch otherwise.
+    assert (target.reused, draft.reused) == (stored, stored)
     assert [c.dtype for c in target.candidates] == candidate_dtypes("target", "cpu")
     assert [c.dtype for c in draft.candidates] == candidate_dtypes("draft", "cpu")
     assert {"float32", "float32+wm", "bfloat16"} <= {c.dtype for c in target.candidates}

@@ -1,6 +1,7 @@
 """Bitwise exact after a replica loss in half precision (issue 11, item 2): the tiny pair served
 in bfloat16; a target replica holding sessions is killed mid-request, the sessions are rebuilt
-on the other replica (its own start-up calibration) and continue with the same token ids and
+on the other replica (which reused the first one's start-up calibration after its own
+exactness check, see tests/conftest.py) and continue with the same token ids and
 logprobs as the undisturbed run, which equals the target alone in process."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ but never the exactness check, and anything that decides a calibration is in its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -55,6 +56,36 @@ def test_a_stored_calibration_is_reused_as_measured(tiny_pair, tmp_path, measure
     message = specdec_pb2.DeviceCalibration()
     reused.to_proto(message)
     assert message.reused and message.dtype == "float32"
+
+
+def test_a_replica_that_waited_for_the_lock_reuses_what_the_other_stored(
+    tiny_pair, tmp_path, measurements, monkeypatch
+):
+    """Two replicas of one model start together: the second finds no entry, waits while the
+    first measures and stores one, and then reuses it instead of measuring again."""
+    cache = CalibrationCache(tmp_path)
+    _, first = _load(tiny_pair[1], CalibrationCache(tmp_path / "elsewhere"))
+    key = cache.key(
+        load_model(str(tiny_pair[1]), dtype="float32").model,
+        "target",
+        ["float32"],
+        device="cpu",
+        max_speculative_tokens=3,
+        exact_widths=True,
+    )
+    real_lock = calibration._one_at_a_time
+
+    @contextlib.contextmanager
+    def other_replica_measures_meanwhile(device):
+        with real_lock(device):
+            cache.save(key, first)  # what the replica holding the lock stored before releasing
+            yield
+
+    monkeypatch.setattr(calibration, "_one_at_a_time", other_replica_measures_meanwhile)
+    measurements.clear()
+    _, second = _load(tiny_pair[1], cache)
+    assert measurements == []
+    assert second.reused and dataclasses.replace(second, reused=False) == first
 
 
 def test_an_automatic_choice_is_reused_in_its_dtype(tiny_pair, tmp_path, measurements):

@@ -4,7 +4,6 @@ draft's catch-up apart from its steps, rebuilt rounds flagged, prompt_len on eve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
@@ -72,13 +71,7 @@ def recorded(engine):
     transport = _Recording(engine.transport)
     costs = _SpyCosts(engine.config.speculation)
     loop = RoundLoop(transport, engine.tokenizer, request, costs, engine.config.speculation)
-
-    async def run() -> None:
-        async with contextlib.aclosing(loop.run()) as deltas:
-            async for _ in deltas:
-                pass
-
-    asyncio.run(run())
+    asyncio.run(loop.complete())
     assert len(costs.rounds) >= 4, "the request ended before the rebuilt rounds"
     return transport, costs, len(prompt_ids)
 

@@ -8,7 +8,6 @@ the stats count the rounds that ran without the draft, and speculation resumes a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
@@ -114,14 +113,7 @@ def _run(engine, transport, prompt, k, breaker):
     loop = RoundLoop(
         transport, engine.tokenizer, request, engine.costs, engine.config.speculation, breaker
     )
-
-    async def collect():
-        async with contextlib.aclosing(loop.run()) as deltas:
-            async for _ in deltas:
-                pass
-        return loop.completion
-
-    return asyncio.run(collect())
+    return asyncio.run(loop.complete())
 
 
 @pytest.fixture(scope="module")
