@@ -39,9 +39,10 @@ def real_engine(real_pair_args):
     from specdec.deployments.deploy import app_config, load_config
 
     config = app_config(load_config(LOCAL_CONFIG, real_pair_args))
-    settings = {"dtype": DTYPE} if DTYPE else {}
+    if DTYPE:  # that dtype's conversion of the pair (float16 has its own)
+        return SpeculativeEngine.from_pretrained(*bundled.bundled_pair(DTYPE), config, dtype=DTYPE)
     return SpeculativeEngine.from_pretrained(
-        config.models.draft_model, config.models.target_model, config, **settings
+        config.models.draft_model, config.models.target_model, config
     )
 
 
