@@ -7,6 +7,7 @@ import shutil
 import tempfile
 
 import pytest
+from forced_rounds import confidence_stop_choose
 
 from specdec import SpeculativeEngine
 from specdec.models.calibration_cache import CACHE_ENV
@@ -41,18 +42,11 @@ def engine(tiny_pair):
 @pytest.fixture
 def force_confidence_stop(monkeypatch):
     """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on
-    the draft's confidence at ``floor`` (the controller would choose both from measured costs)."""
-    from specdec.decoding.controller import KController, RoundPlan
-
-    adaptive_choose = KController.choose
+    the draft's confidence at ``floor`` (forced_rounds.confidence_stop_choose)."""
+    from specdec.decoding.controller import KController
 
     def force(k: int, floor: float) -> None:
-        def choose(self, limit):
-            if self.fixed_k is not None:  # target-only and fixed-k requests stay as they are
-                return adaptive_choose(self, limit)
-            return RoundPlan(max(0, min(k, limit)), floor)
-
-        monkeypatch.setattr(KController, "choose", choose)
+        monkeypatch.setattr(KController, "choose", confidence_stop_choose(k, floor))
 
     return force
 

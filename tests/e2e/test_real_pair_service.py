@@ -93,14 +93,14 @@ def test_model_info_reports_the_pair_and_its_dtypes(real_deploy):
 def test_greedy_speculative_equals_target_only(real_service, fields):
     target_only = _generate(real_service, 0, max_new_tokens=40, **fields)
     assert target_only.stats.draft_tokens == 0
+    speculative = {}
     for k in (4, None):  # a fixed k and the adaptive controller
-        speculative = _generate(real_service, k, max_new_tokens=40, **fields)
-        assert list(speculative.token_ids) == list(target_only.token_ids), f"k={k}"
-        assert speculative.text == target_only.text
+        speculative[k] = _generate(real_service, k, max_new_tokens=40, **fields)
+        assert list(speculative[k].token_ids) == list(target_only.token_ids), f"k={k}"
+        assert speculative[k].text == target_only.text
     # k=4 drafted on every round, and the pair agrees on most tokens.
-    fixed = _generate(real_service, 4, max_new_tokens=40, **fields)
-    assert fixed.stats.draft_tokens > 0
-    assert fixed.stats.acceptance_rate > 0.3
+    assert speculative[4].stats.draft_tokens > 0
+    assert speculative[4].stats.acceptance_rate > 0.3
 
 
 def test_seeded_sampling_is_reproducible(real_service):

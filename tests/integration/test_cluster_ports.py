@@ -245,7 +245,10 @@ def test_a_token_turns_auth_on_and_drivers_need_it(tmp_path):
 
         ok = _python(DRIVER, started["address"], with_token)
         assert ok.returncode == 0 and "nodes 3 tasks 2" in ok.stdout, ok.stderr[-3000:]
-        for env in (base, {**base, TOKEN_ENV: secrets.token_hex(32)}):
+        # A refused driver tries to connect once a second for RAY_gcs_server_port_wait_time_s
+        # (ray/_private/node.py, _init_gcs_client; 20 tries by default).
+        for env in ({}, {TOKEN_ENV: secrets.token_hex(32)}):
+            env = {**base, **env, "RAY_gcs_server_port_wait_time_s": "3"}
             refused = _python(DRIVER, started["address"], env)
             assert refused.returncode != 0, refused.stdout
             assert "InvalidAuthToken" in refused.stderr, refused.stderr[-3000:]

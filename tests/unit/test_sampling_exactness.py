@@ -9,7 +9,8 @@ target-only sampling, computed by enumerating every prefix with the target model
 a wrong residual shows. Seeds are fixed, so the test is deterministic. Requests run
 NEIGHBOURS at a time through the engine's batching, so the distributions are those of a
 request with concurrent neighbours (and at a fixed k each sampled request is bitwise its solo self:
-test_neighbours_change_no_sampled_token).
+test_neighbours_change_no_sampled_token). The seeds' groups are split across two worker
+processes (the ``sampled`` fixture), each running its requests as this process would.
 
 The same tests run with the draft truncating q to its top TOP_N tokens (below the vocabulary):
 the verifier then sees a sparse q with most tokens at probability 0, and exactness must hold
@@ -20,15 +21,21 @@ truncated one must fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from forced_rounds import confidence_stop_choose
 from scipy import stats
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.decoding import rejection
+from specdec.decoding.controller import KController
 from specdec.decoding.sampling import processed_probs
 from specdec.models import proposer
 from specdec.pairs.tiny import save_pair
@@ -41,6 +48,10 @@ TOP_N = 4  # the truncating draft's q: 4 of the 32 tokens
 NEIGHBOURS = 8  # requests served together: their verify calls share batched forwards
 
 
+ENGINES = {"far_engine": {}, "truncating_engine": {"draft_top_n": TOP_N}}
+WORKERS = 2  # processes sharing the seeds: each request's forwards run one thread at a time
+
+
 @pytest.fixture(scope="module")
 def far_pair(tmp_path_factory):
     torch.set_num_threads(1)  # tiny models: threads only add overhead
@@ -49,14 +60,61 @@ def far_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def far_engine(far_pair):
-    return SpeculativeEngine.from_pretrained(*far_pair)
+    return SpeculativeEngine.from_pretrained(*far_pair, **ENGINES["far_engine"])
 
 
 @pytest.fixture(scope="module")
-def truncating_engine(far_pair):
-    """The far pair, with the draft sampling from (and sending) its top TOP_N tokens only."""
-    assert TOP_N < VOCAB
-    return SpeculativeEngine.from_pretrained(*far_pair, draft_top_n=TOP_N)
+def sampled(far_pair, far_engine):
+    """sampled(engine_name, k, params, variant=None) -> (counts, drafted): _counts of seeds
+    0 .. N - 1, their groups of NEIGHBOURS split across WORKERS processes of their own (the
+    tiny models run one thread; the seeds decide every draw, so the split changes no sample).
+    ``variant`` names a change _variant makes in the workers for that call. far_engine comes
+    first so that its calibration is stored for the workers to reuse."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(WORKERS, context, _start_worker, (far_pair,)) as pool:
+
+        def sample(engine_name, k, params, variant=None):
+            groups = range(0, N, NEIGHBOURS)
+            shares = [groups[i::WORKERS] for i in range(WORKERS)]
+            jobs = [
+                pool.submit(_worker_counts, engine_name, k, params, share, variant)
+                for share in shares
+            ]
+            counts, drafted = zip(*(job.result() for job in jobs))
+            return sum(counts), sum(drafted)
+
+        yield sample
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(pair) -> None:
+    torch.set_num_threads(1)
+    _WORKER["pair"] = pair
+
+
+def _worker_counts(engine_name, k, params, group_starts, variant):
+    """In a worker: _counts of the NEIGHBOURS seeds from each of ``group_starts``."""
+    if engine_name not in _WORKER:
+        _WORKER[engine_name] = SpeculativeEngine.from_pretrained(
+            *_WORKER["pair"], **ENGINES[engine_name]
+        )
+    seeds = [s for start in group_starts for s in range(start, min(start + NEIGHBOURS, N))]
+    with _variant(variant):
+        return _counts(_completions(_WORKER[engine_name], k, params, seeds))
+
+
+def _variant(name):
+    """The change a test makes for one run: a defect the tests must catch, or a forced plan."""
+    if name == "wrong_residual":  # resampling from p after a rejection
+        return mock.patch.object(rejection, "residual_distribution", lambda p, q: p)
+    if name == "untruncated_q":
+        return mock.patch.object(proposer, "truncate_top_n", _untruncated_q)
+    if name == "confidence_stop":  # up to 2 tokens, stopping after the first when q(x1) < 0.05
+        return mock.patch.object(KController, "choose", confidence_stop_choose(k=2, floor=0.05))
+    assert name is None, name
+    return contextlib.nullcontext()
 
 
 def _completions(engine, k, params, seeds):
@@ -72,17 +130,17 @@ def _completions(engine, k, params, seeds):
     return [out for group in groups for out in asyncio.run(together(group))]
 
 
-def _sampled(engine, k, params, seeds, with_drafted=False):
-    """[2, VOCAB + 1] counts of the tokens at completion positions 2 and 3 (and, with
-    ``with_drafted``, how often each draft position was drafted)."""
+def _counts(completions):
+    """([2, VOCAB + 1] counts of the tokens at completion positions 2 and 3, [2] how often
+    each of the first two draft positions was drafted)."""
     counts = np.zeros((2, VOCAB + 1))
     drafted = np.zeros(2)
-    for out in _completions(engine, k, params, seeds):
+    for out in completions:
         tokens = out.token_ids
         for row in range(2):
             counts[row, tokens[row + 1] if len(tokens) > row + 1 else END] += 1
         drafted += out.stats.drafted_per_position[:2]
-    return (counts, drafted) if with_drafted else counts
+    return counts, drafted
 
 
 @torch.inference_mode()
@@ -133,44 +191,40 @@ def _fit_pvalue(observed, probs):
     ],
     ids=["temperature", "top_k", "top_p"],
 )
-@pytest.mark.parametrize(
-    "engine_name", ["far_engine", "truncating_engine"], ids=["whole-q", "truncated-q"]
-)
-def test_speculative_sampling_matches_target_only_sampling(request, engine_name, params, ks):
+@pytest.mark.parametrize("engine_name", ENGINES, ids=["whole-q", "truncated-q"])
+def test_speculative_sampling_matches_target_only_sampling(
+    far_engine, sampled, engine_name, params, ks
+):
     """With q the draft's whole distribution, and with q truncated to the draft's top 4 tokens
-    of a 32-token vocabulary (draft_top_n below the vocabulary)."""
-    built = request.getfixturevalue(engine_name)
-    exact = _exact(built, params)
+    of a 32-token vocabulary (draft_top_n below the vocabulary). Both engines hold the same
+    target, so far_engine gives the exact marginals of either."""
+    exact = _exact(far_engine, params)
     for k in ks:
-        sampled = _sampled(built, k, params, range(N))
+        counts, _ = sampled(engine_name, k, params)
         for position in range(2):
-            pvalue = _fit_pvalue(sampled[position], exact[position])
+            pvalue = _fit_pvalue(counts[position], exact[position])
             assert pvalue > 1e-3, (k, position, pvalue)
 
 
 @pytest.mark.slow
-def test_sampling_with_the_draft_confidence_stop_matches_target_only(
-    far_engine, force_confidence_stop
-):
+def test_sampling_with_the_draft_confidence_stop_matches_target_only(far_engine, sampled):
     """Rounds draft up to 2 tokens and stop after the first when q(x1) < 0.05: the draft's
     block length then depends on its own draws, which must leave the output exact."""
     params = {"temperature": 1.0}
     exact = _exact(far_engine, params)
-    force_confidence_stop(k=2, floor=0.05)
-    sampled, drafted = _sampled(far_engine, "auto", params, range(N), with_drafted=True)
+    counts, drafted = sampled("far_engine", "auto", params, variant="confidence_stop")
     assert 0.2 < drafted[1] / drafted[0] < 0.8  # both block lengths were common
     for position in range(2):
-        pvalue = _fit_pvalue(sampled[position], exact[position])
+        pvalue = _fit_pvalue(counts[position], exact[position])
         assert pvalue > 1e-3, (position, pvalue)
 
 
 @pytest.mark.slow
-def test_the_test_catches_a_wrong_residual(far_engine, monkeypatch):
+def test_the_test_catches_a_wrong_residual(far_engine, sampled):
     """The same test, run against resampling from p after a rejection, must fail."""
     params = {"temperature": 1.0}
     exact = _exact(far_engine, params)
-    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
-    broken = _sampled(far_engine, 1, params, range(N))
+    broken, _ = sampled("far_engine", 1, params, variant="wrong_residual")
     assert _fit_pvalue(broken[0], exact[0]) < 1e-6
 
 
@@ -183,13 +237,13 @@ def _untruncated_q(probs, top_n):
 
 
 @pytest.mark.slow
-def test_the_truncated_test_catches_an_untruncated_q(truncating_engine, monkeypatch):
+def test_the_truncated_test_catches_an_untruncated_q(far_engine, sampled):
     """The same test, with the verifier seeing the untruncated q of the tokens the draft drew
     from its truncated one, must fail: the truncated tests have power."""
+    assert TOP_N < VOCAB
     params = {"temperature": 1.0}
-    exact = _exact(truncating_engine, params)
-    monkeypatch.setattr(proposer, "truncate_top_n", _untruncated_q)
-    broken = _sampled(truncating_engine, 2, params, range(N))
+    exact = _exact(far_engine, params)
+    broken, _ = sampled("truncating_engine", 2, params, variant="untruncated_q")
     assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6
 
 
