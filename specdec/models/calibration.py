@@ -226,17 +226,19 @@ def load_calibrated(
         max_speculative_tokens=max_speculative_tokens,
         exact_widths=exact_widths,
     )
-    stored = cache.load(key) if cache else None
-    result = stored and _reuse(loaded, role, stored, max_speculative_tokens, exact_widths)
+
+    def from_cache() -> tuple[Calibration | None, tuple[LoadedModel, Calibration] | None]:
+        """(the stored entry or None, the model with it if it passes the exactness check)."""
+        stored = cache.load(key) if cache else None
+        return stored, stored and _reuse(loaded, role, stored, max_speculative_tokens, exact_widths)
+
+    stored, result = from_cache()
     if not result:
         with _one_at_a_time(device):
-            if cache and stored is None:
+            if stored is None:
                 # A replica of the same model on this host may have stored one while this one
                 # waited for the lock (two replicas starting together measured twice).
-                stored = cache.load(key)
-                result = stored and _reuse(
-                    loaded, role, stored, max_speculative_tokens, exact_widths
-                )
+                stored, result = from_cache()
             if not result:
                 result = calibrate(
                     loaded,
