@@ -13,9 +13,9 @@ def confidence_stop_choose(k: int, floor: float) -> Callable:
     from measured costs); target-only and fixed-k requests stay as they are."""
     adaptive_choose = KController.choose
 
-    def choose(self, limit):
+    def choose(self, limit, draft_lag=0):
         if self.fixed_k is not None:
-            return adaptive_choose(self, limit)
+            return adaptive_choose(self, limit, draft_lag)
         return RoundPlan(max(0, min(k, limit)), floor)
 
     return choose

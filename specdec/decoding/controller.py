@@ -16,11 +16,13 @@ The cost of a round follows what the draft and the target actually run:
 Verify cost is kept for each k separately, because it is not flat in k on every machine
 (DESIGN.md, "Speed"). Acceptance is per request (AcceptanceEstimator, one per KController); the
 costs are per device and shared by every request of an engine or router (CostModel), so they are
-estimated robustly: each is the median of its last WINDOW steady-state samples, and samples that
-are not steady state are not taken at all (a catch-up over more than CATCHUP_STEADY_TOKENS tokens,
-which is a prefill, a rebuild or a return from plain decoding; a verify or an orchestration time
-of a round in which a side rebuilt its cache). Before a cost is measured, an optional CostPrior
-(the replicas' start-up calibration) stands in for it.
+estimated robustly: each is the median of its last WINDOW steady-state samples younger than
+MAX_AGE_S, and samples that are not steady state are not taken at all (a catch-up over more than
+CATCHUP_STEADY_TOKENS tokens, which is a prefill, a rebuild or a return from plain decoding, is
+kept apart as a cost per token; a verify or an orchestration time of a round in which a side
+rebuilt its cache; the orchestration of a batched round, mostly its wait in the batch queue).
+Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
+replicas' start-up calibration) stands in for it.
 
 Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
@@ -28,6 +30,9 @@ forward. When recent verifies shared batches of B > 1 sessions, the verify of k 
 batch of B x (k + 1) rows (every session drafting the same k; the prior's cost curve by rows,
 scaled to the measured level): k then maximises the batch's goodput, which falls to k = 0 when
 the batch's rows no longer come cheap (vLLM, SmartSpec/TurboSpec do the same; Liu et al. 2024).
+A session whose draft must first catch up on many tokens pays that prefill once, priced by
+KController.choose for the whole batch it delays; probes of plain-decoding requests are spread
+over the batch (KController._probe_due).
 
 With a dynamic draft length, the best fixed k only decides whether speculation pays; the round
 then drafts up to k_max tokens and the draft stops on its own confidence, at a floor set by the
@@ -41,7 +46,8 @@ import dataclasses
 import math
 import statistics
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from specdec.config import SpeculationConfig
@@ -55,7 +61,19 @@ CATCHUP_STEADY_TOKENS = 2
 ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
 PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
 PRIOR_REJECTED = 1.0
-PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance
+# A cost sample counts this long. Costs measured under load (batches of prefills on the draft,
+# contention on a shared host) are many times the lone ones, and a request that then decodes
+# plain never measures the draft again: with them kept, one busy minute stopped speculation for
+# every later request (measured: a lone request after 8 concurrent ones drafted 3 tokens in 62).
+# Past this age an estimate falls back to the prior (the replicas' calibration) until measured.
+MAX_AGE_S = 30.0
+# The draft's costs are kept per load (sessions per verify batch: 1, 2, 3-5, 6+). Under load a
+# draft batch carries other sessions' catch-ups and prefills, and on a shared host competes with
+# the target's batches: a draft step measured at 8 sessions was 0.38 s against 0.05 s alone. One
+# estimate for both either stopped speculation alone or kept it on under load, where it did not
+# pay; kept apart, each load decides from its own measurements.
+LOAD_BUCKETS = 4
+PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance (alone)
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -143,15 +161,38 @@ class RoundTiming:
 
 
 class _WindowMedian:
-    """The median of the last WINDOW samples (None before the first)."""
+    """The median of the last WINDOW samples younger than MAX_AGE_S seconds (None without)."""
 
-    def __init__(self) -> None:
-        self._samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self.value: float | None = None
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+        self._clock = clock
 
     def add(self, sample: float) -> None:
-        self._samples.append(sample)
-        self.value = statistics.median(self._samples)
+        self._samples.append((self._clock(), sample))
+
+    @property
+    def value(self) -> float | None:
+        horizon = self._clock() - MAX_AGE_S
+        fresh = [sample for at, sample in self._samples if at >= horizon]
+        return statistics.median(fresh) if fresh else None
+
+
+def _load_bucket(sessions: float) -> int:
+    """0 for a lone session, 1 for about 2 per batch, 2 for 3-5, 3 for 6 or more."""
+    return min(round(math.log2(max(sessions, 1.0))), LOAD_BUCKETS - 1)
+
+
+class _ByLoad:
+    """One _WindowMedian per load bucket (_load_bucket of the batch's sessions)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._windows = [_WindowMedian(clock) for _ in range(LOAD_BUCKETS)]
+
+    def add(self, sample: float, sessions: float) -> None:
+        self._windows[_load_bucket(sessions)].add(sample)
+
+    def value(self, sessions: float) -> float | None:
+        return self._windows[_load_bucket(sessions)].value
 
 
 class CostModel:
@@ -168,19 +209,28 @@ class CostModel:
             scaled by the measured/prior ratio interpolated from the nearest measured k (the
             prior's shape, the measurements' level). None: nothing is known before the first
             rounds (KController then drafts its initial_k).
+        clock: seconds, monotonic: samples older than MAX_AGE_S no longer count (tests inject
+            one).
     """
 
-    def __init__(self, config: SpeculationConfig, prior: CostPrior | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculationConfig,
+        prior: CostPrior | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         k_max = config.max_speculative_tokens
         self._lock = threading.Lock()
         self._prior = prior
         self._prior_verify = prior.verify_table(k_max) if prior else None
-        self._step = _WindowMedian()
-        self._catchup = _WindowMedian()
-        self._verify = [_WindowMedian() for _ in range(k_max + 1)]
-        self._overhead = {True: _WindowMedian(), False: _WindowMedian()}
-        self._batch_sessions = _WindowMedian()
-        self._batch_level = _WindowMedian()  # measured / prior seconds of batched verifies
+        self._step = _ByLoad(clock)
+        self._catchup = _ByLoad(clock)
+        self._catchup_token = _ByLoad(clock)  # seconds per token of a longer catch-up
+        self._verify = [_WindowMedian(clock) for _ in range(k_max + 1)]
+        self._overhead = {True: _WindowMedian(clock), False: _WindowMedian(clock)}
+        self._batch_sessions = _WindowMedian(clock)
+        self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
+        self._in_flight = 0  # requests running on this engine or router now
 
     def set_prior(self, prior: CostPrior) -> None:
         """Installs a prior after construction (a router learns the replicas' calibration only
@@ -194,15 +244,20 @@ class CostModel:
 
         Draft steps: (draft_s - catchup_s) / (k - 1), from rounds with k >= 2 (a rebuilt draft
         included: its rebuild is all in the catch-up). Catch-up: from k >= 1 rounds whose
-        catch-up fed 1..CATCHUP_STEADY_TOKENS tokens. Verify and orchestration: from rounds in
-        which no side rebuilt.
+        catch-up fed 1..CATCHUP_STEADY_TOKENS tokens; a longer one gives a per-token cost
+        (catchup_token_seconds). Verify: from rounds in which the target did not rebuild.
+        Orchestration: from lone rounds (no batch) in which no side rebuilt. The draft's costs
+        are kept for the load the round ran at (its verify batch's sessions, LOAD_BUCKETS).
         """
+        load = max(timing.batch_sessions, 1)
         with self._lock:
             if k >= 2:
-                self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1))
+                self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
             steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
             if k >= 1 and steady_catchup and not timing.draft_rebuilt:
-                self._catchup.add(timing.catchup_s)
+                self._catchup.add(timing.catchup_s, load)
+            elif k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
+                self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
             self._batch_sessions.add(max(timing.batch_sessions, 1))
             prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
             batched = timing.batch_sessions > 1 and prior_s is not None
@@ -210,25 +265,69 @@ class CostModel:
                 self._batch_level.add(timing.verify_s / prior_s)
             elif not timing.target_rebuilt:
                 self._verify[k].add(timing.verify_s)
-            if not (timing.target_rebuilt or timing.draft_rebuilt):
+            # A batched round's wall time outside compute is mostly its wait in the batch
+            # queue, which the batch price already covers: priced again as orchestration, a
+            # few loaded rounds at k > 0 kept a lone request from drafting afterwards.
+            lone = timing.batch_sessions <= 1
+            if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
+
+    def request_started(self) -> None:
+        """A request of this engine or router began (RoundLoop.run); see in_flight."""
+        with self._lock:
+            self._in_flight += 1
+
+    def request_ended(self) -> None:
+        """A request that request_started counted has ended, however it ended."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - 1)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running on this engine or router now: a load that the verify batches show
+        only a few rounds later (KController.choose prices a draft's start with it)."""
+        return self._in_flight
 
     @property
     def draft_step_seconds(self) -> float | None:
-        """Seconds of one draft step: measured, else the prior's, else None."""
-        if self._step.value is not None:
-            return self._step.value
-        return self._prior.draft_step_s if self._prior else None
+        """Seconds of one draft step at the current load: measured, else the prior's, else
+        None."""
+        return self.draft_step_at(self.batch_sessions)
 
     @property
     def catchup_seconds(self) -> float | None:
-        """Seconds of a speculative round's draft catch-up: measured, else the prior's, else a
-        draft step (one forward over 1-2 rows costs about one over 1), else None."""
-        if self._catchup.value is not None:
-            return self._catchup.value
+        """Seconds of a speculative round's draft catch-up at the current load: measured, else
+        the prior's, else a draft step (one forward over 1-2 rows costs about one over 1), else
+        None."""
+        return self.catchup_at(self.batch_sessions)
+
+    @property
+    def catchup_token_seconds(self) -> float:
+        """Seconds per token of a draft catch-up over more than CATCHUP_STEADY_TOKENS tokens (a
+        prefill, a rebuild, a return from plain decoding) at the current load, measured; 0
+        before the first."""
+        return self.catchup_token_at(self.batch_sessions)
+
+    def catchup_token_at(self, sessions: float) -> float:
+        """catchup_token_seconds at a load of ``sessions`` per batch; the lone measurement
+        where that load has none yet (the calibration has no per-token catch-up)."""
+        return self._catchup_token.value(sessions) or self._catchup_token.value(1) or 0.0
+
+    def draft_step_at(self, sessions: float) -> float | None:
+        """draft_step_seconds at a load of ``sessions`` per batch."""
+        measured = self._step.value(sessions)
+        if measured is not None:
+            return measured
+        return self._prior.draft_step_s if self._prior else None
+
+    def catchup_at(self, sessions: float) -> float | None:
+        """catchup_seconds at a load of ``sessions`` per batch."""
+        measured = self._catchup.value(sessions)
+        if measured is not None:
+            return measured
         if self._prior and self._prior.catchup_s is not None:
             return self._prior.catchup_s
-        return self.draft_step_seconds
+        return self.draft_step_at(sessions)
 
     @property
     def ready(self) -> bool:
@@ -240,7 +339,7 @@ class CostModel:
             )
             return has_verify and self.draft_step_seconds is not None
 
-    def verify_seconds(self, k: int) -> float:
+    def verify_seconds(self, k: int, sessions: float | None = None) -> float:
         """Predicted seconds of a verify over k draft tokens (k + 1 positions).
 
         Under load (verifies lately shared batches of B > 1 sessions, and the prior has the
@@ -249,30 +348,34 @@ class CostModel:
         a prior: the prior's value scaled as the class docstring says. Without one:
         interpolated between the nearest measured k on each side, or the nearest one beyond
         the measured range (an optimistic guess for larger k, which the controller then
-        measures and corrects).
+        measures and corrects). ``sessions``: price a batch of that many sessions instead of
+        the recent batches' (None: batch_sessions).
 
         Raises:
             ValueError: no verify cost is known yet (see ready).
         """
         with self._lock:
-            return self._verify_seconds(k)
+            return self._verify_seconds(k, sessions)
 
-    def draft_seconds(self, k: int) -> float:
+    def draft_seconds(self, k: int, sessions: float | None = None) -> float:
         """Predicted draft seconds of a round drafting k tokens: 0 for k = 0, else the catch-up
-        plus k - 1 draft steps (needs ready)."""
+        plus k - 1 draft steps, at a load of ``sessions`` per batch (None: the current one;
+        needs ready)."""
         if k == 0:
             return 0.0
-        return self.catchup_seconds + (k - 1) * self.draft_step_seconds
+        load = self.batch_sessions if sessions is None else sessions
+        return self.catchup_at(load) + (k - 1) * self.draft_step_at(load)
 
-    def round_seconds(self, k: int) -> float:
-        """Predicted seconds of a round drafting k tokens: draft, verify and orchestration (the
-        other kind of round's orchestration until this kind's is measured; needs ready)."""
+    def round_seconds(self, k: int, sessions: float | None = None) -> float:
+        """Predicted seconds of a round drafting k tokens: draft, verify (sessions: as for
+        verify_seconds) and orchestration (the other kind of round's orchestration until this
+        kind's is measured; needs ready)."""
         with self._lock:
-            verify = self._verify_seconds(k)
+            verify = self._verify_seconds(k, sessions)
             overhead = self._overhead[k > 0].value
             if overhead is None:
                 overhead = self._overhead[k == 0].value or 0.0
-            draft = self.draft_seconds(k)
+            draft = self.draft_seconds(k, sessions)
         return max(draft + verify + overhead, 1e-9)
 
     @property
@@ -280,8 +383,8 @@ class CostModel:
         """Sessions per verify batch lately (the median of the last WINDOW rounds; 1 before)."""
         return self._batch_sessions.value or 1.0
 
-    def _verify_seconds(self, k: int) -> float:
-        sessions = self.batch_sessions
+    def _verify_seconds(self, k: int, sessions: float | None = None) -> float:
+        sessions = self.batch_sessions if sessions is None else sessions
         if sessions > 1 and self._prior is not None and self._prior.batch_verify_s:
             # Under load every session of the batch is priced as drafting the same k: the
             # batch's rows grow by its size for each token of k (SmartSpec, Liu et al. 2024).
@@ -357,12 +460,13 @@ class KController:
     acceptance: AcceptanceEstimator = dataclasses.field(default_factory=AcceptanceEstimator)
     _plain_rounds: int = 0
 
-    def choose(self, limit: int) -> RoundPlan:
+    def choose(self, limit: int, draft_lag: int = 0) -> RoundPlan:
         """The next round's plan, k at most ``limit`` (tokens left before a length stop, minus
-        one).
+        one); ``draft_lag``: committed tokens the draft's cache lacks (its whole sequence before
+        its first draft).
 
-        After PROBE_EVERY plain rounds in a row, one round drafts k = 1 to re-measure this
-        request's acceptance. Otherwise k maximises E(k) / CostModel.round_seconds(k).
+        After enough plain rounds in a row (_probe_due), one round drafts k = 1 to re-measure
+        this request's acceptance. Otherwise k maximises E(k) / CostModel.round_seconds(k).
 
         Its ``min_draft_confidence`` is 0, or with a dynamic draft length the marginal rule.
         Drafting one more token costs a draft step plus what it adds to the verify, and commits
@@ -371,28 +475,62 @@ class KController:
         pays while the product exceeds that marginal cost x the predicted tokens per second of
         the best fixed k. With a fixed-width verify (half precision) the verify adds nothing;
         where it grows with k (float32 on a CPU) it raises the floor.
+
+        A draft that lags more than CATCHUP_STEADY_TOKENS tokens first catches up on all of
+        them (its prefill, before its first draft): P = lag x catchup_token_seconds, paid once
+        for the ``limit`` + 1 tokens left, so a round of k commits E(k) tokens in
+        round_seconds(k) + P x E(k) / (limit + 1). Under load P is charged B times, B the
+        sessions of the batch: where draft and target share a host (the local cluster, CPU
+        nodes), the prefill's compute delays every verify of the batch. And B is max(
+        batch_sessions, in_flight): under a burst of requests the verify batches show the load
+        only a few rounds later. With several target replicas this overstates the batch; the
+        request then starts plain, and a later probe starts the draft.
         """
         cap = max(0, min(self.config.max_speculative_tokens, limit))
         if self.fixed_k is not None:
             return RoundPlan(min(self.fixed_k, cap))
         if not self.costs.ready:
             return RoundPlan(min(self.initial_k, cap))
-        if self._plain_rounds >= PROBE_EVERY:
+        if self._probe_due(cap):
             return RoundPlan(min(1, cap))
         rate = self.acceptance.rate
+        sessions, start_s = None, 0.0
+        if draft_lag > CATCHUP_STEADY_TOKENS:
+            sessions = max(self.costs.batch_sessions, self.costs.in_flight)
+            per_token = self.costs.catchup_token_at(sessions)
+            start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
         def tokens_per_s(k: int) -> float:
-            return expected_tokens(rate, k) / self.costs.round_seconds(k)
+            tokens = expected_tokens(rate, k)
+            start = start_s * tokens if k else 0.0
+            return tokens / (self.costs.round_seconds(k, sessions) + start)
 
         best = max(range(cap + 1), key=tokens_per_s)
         if not self.config.dynamic_draft_length or best == 0:
             return RoundPlan(best)
         verify_s = 0.0
         if cap > best:
-            added = self.costs.verify_seconds(cap) - self.costs.verify_seconds(best)
+            added = self.costs.verify_seconds(cap, sessions) - self.costs.verify_seconds(
+                best, sessions
+            )
             verify_s = max(added, 0.0) / (cap - best)
-        marginal_s = self.costs.draft_step_seconds + verify_s
+        load = self.costs.batch_sessions if sessions is None else sessions
+        marginal_s = self.costs.draft_step_at(load) + verify_s
         return RoundPlan(cap, min(marginal_s * tokens_per_s(best), 1.0))
+
+    def _probe_due(self, cap: int) -> bool:
+        """Whether this plain-decoding request should draft once to re-measure its acceptance.
+
+        A probe is not free: its draft catches up on every token committed since the last draft
+        (a prefill, the first time), and its verify adds rows to the batch. Under load those
+        costs fall on every session of the batch, and where draft and target share a host the
+        draft's compute is taken from their verifies. So a request probes after PROBE_EVERY x B
+        plain rounds, B the sessions per verify batch lately: the batch as a whole probes about
+        as often as a lone request does. (Probing only where full acceptance would pay, as
+        tried, can stop probes for good: draft costs measured under load then stay stale.)
+        """
+        sessions = max(1, round(self.costs.batch_sessions))
+        return cap >= 1 and self._plain_rounds >= PROBE_EVERY * sessions
 
     def observe(self, k: int, num_accepted: int, timing: RoundTiming) -> None:
         """Records a round that drafted k tokens (after any confidence stop), num_accepted of

@@ -91,6 +91,7 @@ class RoundLoop:
         self._checker = StopChecker(
             tokenizer, request.max_new_tokens, request.stop_token_ids, params.stop
         )
+        self._costs = costs
         self._controller = KController(costs, config, fixed_k=request.num_speculative_tokens)
         self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
@@ -100,6 +101,7 @@ class RoundLoop:
 
     async def run(self) -> AsyncIterator[Delta]:
         """Yields each round's Delta; releases the session on both sides however it ends."""
+        self._costs.request_started()
         try:
             delta = await self._prefill()
             yield delta
@@ -108,6 +110,7 @@ class RoundLoop:
                 yield delta
             self._finish()
         finally:
+            self._costs.request_ended()
             if self._draft_prefill is not None:
                 self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.
@@ -156,7 +159,9 @@ class RoundLoop:
         return True
 
     async def _round(self) -> Delta:
-        plan = self._controller.choose(self._checker.remaining - 1)
+        plan = self._controller.choose(
+            self._checker.remaining - 1, draft_lag=len(self._ids) - self._known["draft"]
+        )
         if plan.k > 0 and not await self._draft_prefilled():
             plan = plan._replace(k=0)
         start = time.perf_counter()

@@ -64,6 +64,7 @@ from specdec.tools.args import (
 )
 from specdec.tools.datasets import BenchPrompt
 from specdec.tools.loadtest import percentiles
+from specdec.v1 import specdec_pb2
 
 WARM_UP_TOKENS = 16  # new tokens of the one warm-up request per mode
 
@@ -158,6 +159,11 @@ class RequestRecord:
     code: str = "OK"  # gRPC status code name
     details: str = ""
     match: bool | None = None
+    # From the final message's SpeculationStats (0 when the request failed): what the
+    # controller chose under this load, and what the draft side spent on it.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_time_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -175,22 +181,33 @@ class RequestRecord:
         return out
 
 
-def _stream_once(
-    client: SpecdecClient, request
-) -> tuple[float, float, float | None, list, str, str]:
-    """(start, end, ttft, token ids, code, details): perf_counter times in seconds."""
-    start = time.perf_counter()
-    ttft = None
-    ids: list[int] = []
-    code, details = "OK", ""
+@dataclasses.dataclass
+class _Streamed:
+    """One request as the client saw it; times are perf_counter seconds."""
+
+    start: float
+    end: float = 0.0
+    ttft: float | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    code: str = "OK"
+    details: str = ""
+    stats: specdec_pb2.SpeculationStats | None = None
+
+
+def _stream_once(client: SpecdecClient, request) -> _Streamed:
+    """Streams ``request``; a gRPC error is recorded in the result, not raised."""
+    out = _Streamed(start=time.perf_counter())
     try:
         for message in client.generate_stream(request):
-            if message.token_ids and ttft is None:
-                ttft = time.perf_counter() - start
-            ids.extend(message.token_ids)
+            if message.token_ids and out.ttft is None:
+                out.ttft = time.perf_counter() - out.start
+            out.token_ids.extend(message.token_ids)
+            if message.HasField("stats"):
+                out.stats = message.stats
     except grpc.RpcError as err:
-        code, details = err.code().name, err.details() or ""
-    return start, time.perf_counter(), ttft, ids, code, details
+        out.code, out.details = err.code().name, err.details() or ""
+    out.end = time.perf_counter()
+    return out
 
 
 def run_cell(
@@ -222,7 +239,8 @@ def run_cell(
                 temperature=0.0,
                 num_speculative_tokens=k,
             )
-            start, end, ttft, ids, code, details = _stream_once(client, request)
+            got = _stream_once(client, request)
+            stats = got.stats or specdec_pb2.SpeculationStats()
             records.append(
                 RequestRecord(
                     concurrency=concurrency,
@@ -232,13 +250,16 @@ def run_cell(
                     sequence=j,
                     prompt_index=index,
                     prompt_id=prompt.id,
-                    start_s=round(start - released, 6),
-                    latency_s=round(end - start, 6),
-                    ttft_s=None if ttft is None else round(ttft, 6),
-                    tokens=len(ids),
-                    token_ids=ids,
-                    code=code,
-                    details=details,
+                    start_s=round(got.start - released, 6),
+                    latency_s=round(got.end - got.start, 6),
+                    ttft_s=None if got.ttft is None else round(got.ttft, 6),
+                    tokens=len(got.token_ids),
+                    token_ids=got.token_ids,
+                    code=got.code,
+                    details=got.details,
+                    draft_tokens=stats.draft_tokens,
+                    accepted_tokens=stats.accepted_tokens,
+                    draft_time_s=round(stats.draft_time_s, 6),
                 )
             )
         return records
@@ -314,6 +335,9 @@ def summarize_cell(records: Sequence[RequestRecord], wall_s: float) -> dict[str,
         "latency_s": percentiles([r.latency_s for r in ok], (50, 95)),
         "checked": len(checked),
         "mismatches": sum(not r.match for r in checked),
+        "draft_tokens": sum(r.draft_tokens for r in ok),
+        "accepted_tokens": sum(r.accepted_tokens for r in ok),
+        "draft_time_s": round(sum(r.draft_time_s for r in ok), 6),
     }
 
 
@@ -609,11 +633,15 @@ def main(args: argparse.Namespace) -> int:
                 cell_runs.append((records, wall_s))
                 if args.json:  # after every cell: a run stopped early keeps what it measured
                     write_json(args, command, host, info, prompts, cell_runs)
-                tokens = sum(r.tokens for r in records if r.ok)
-                failed = sum(not r.ok for r in records)
+                ok = [r for r in records if r.ok]
+                tokens = sum(r.tokens for r in ok)
+                failed = len(records) - len(ok)
+                drafted = sum(r.draft_tokens for r in ok)
                 print(
                     f"sweep c={concurrency} {mode_label(k)}: {len(records)} requests, "
-                    f"{tokens} tokens in {wall_s:.2f} s" + (f", {failed} failed" if failed else ""),
+                    f"{tokens} tokens in {wall_s:.2f} s, {drafted} drafted "
+                    f"({sum(r.draft_time_s for r in ok):.1f} s draft compute)"
+                    + (f", {failed} failed" if failed else ""),
                     file=sys.stderr,
                     flush=True,
                 )

@@ -83,7 +83,9 @@ def test_limit_caps_k_and_fixed_k_is_respected():
 
 
 def test_plain_decoding_probes_speculation_again():
-    controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.08)
+    # Acceptance 0 makes plain decoding best; with every draft token accepted, k = 1 would
+    # commit 2 tokens in 0.17 s against 1 in 0.1 s, so a probe can find out.
+    controller = _controller(0.0, lambda k: 0.1 + 0.05 * k, draft_per_token=0.02)
     for _ in range(PROBE_EVERY):
         assert controller.choose(limit=100).k == 0
         controller.observe(0, 0, _timing(0, 0.0, 0.1))

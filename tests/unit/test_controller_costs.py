@@ -8,6 +8,7 @@ import pytest
 from specdec.config import SpeculationConfig
 from specdec.decoding.controller import (
     CATCHUP_STEADY_TOKENS,
+    MAX_AGE_S,
     PROBE_EVERY,
     WINDOW,
     CostModel,
@@ -340,3 +341,123 @@ def test_lone_verifies_keep_the_per_k_costs_and_batched_ones_do_not_touch_them()
     costs.observe(3, _batched_round(3, 2, verify_s=5.0))
     assert costs.batch_sessions == 1  # the median of mostly lone verifies
     assert costs.verify_seconds(3) == pytest.approx(0.3)  # not the batch's 5 s
+
+
+# --- probes under load ------------------------------------------------------------------------
+
+
+def _plain_rounds_until_probe(controller: KController, sessions: int, limit: int) -> int | None:
+    """Plain rounds a request decodes (each verified in a batch of ``sessions``) before the
+    controller drafts again; None if it has not within ``limit`` rounds."""
+    for rounds in range(limit):
+        if controller.choose(limit=1000).k > 0:
+            return rounds
+        controller.observe(0, 0, _batched_round(0, sessions, verify_s=0.2))
+    return None
+
+
+@pytest.mark.parametrize("sessions", [1, 2, 8])
+def test_a_plain_request_probes_as_often_per_batch_as_alone(sessions):
+    # Acceptance 0: plain decoding is best, and only a probe drafts. A batch of B sessions
+    # probes about as often as one lone request: each request every PROBE_EVERY x B rounds.
+    costs = CostModel(_config(), _batch_prior())
+    for _ in range(WINDOW):
+        costs.observe(0, _batched_round(0, sessions, verify_s=0.2))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.0))
+    assert _plain_rounds_until_probe(controller, sessions, 100 * PROBE_EVERY) == (
+        PROBE_EVERY * sessions
+    )
+
+
+def test_a_draft_starts_priced_at_the_requests_in_flight_under_a_burst():
+    # Rows up to 8 cost one forward. Alone, at acceptance 0.5, drafting pays; a batch of 8
+    # sessions would turn k = 1 into two forwards, so plain decoding is best there. The verify
+    # batches measured so far were lone (a burst of 8 requests has just arrived).
+    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
+    assert costs.batch_sessions == 1
+    costs.request_started()
+    assert controller.choose(limit=1000, draft_lag=100).k > 0  # alone: start the draft
+    for _ in range(7):
+        costs.request_started()
+    assert costs.in_flight == 8
+    assert controller.choose(limit=1000, draft_lag=100).k == 0  # no prefill for nothing
+    # A draft already caught up keeps the batches' own measure (it has nothing to buy).
+    assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
+    for _ in range(8):
+        costs.request_ended()
+    costs.request_ended()  # an extra end never counts below zero
+    assert costs.in_flight == 0
+    assert controller.choose(limit=1000, draft_lag=100).k > 0
+
+
+def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
+    # Rows up to 16 cost one forward: at 8 sessions k = 1 rides on the same forward, and
+    # drafting pays round by round. But this draft lacks 100 tokens, measured at 20 ms each:
+    # a 2 s prefill that delays all 8 sessions' verifies, over the 100 tokens left (limit 99).
+    costs = CostModel(_config(), _batch_prior(flat_rows=16))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
+    for _ in range(8):
+        costs.request_started()
+    assert controller.choose(limit=99, draft_lag=100).k > 0  # no catch-up measured yet
+    costs.observe(1, _round(1, catchup_s=2.0, catchup_tokens=100))
+    assert costs.catchup_token_seconds == pytest.approx(0.02)
+    assert controller.choose(limit=99, draft_lag=100).k == 0
+    # Alone, the same prefill pays for itself over the request.
+    for _ in range(7):
+        costs.request_ended()
+    assert controller.choose(limit=99, draft_lag=100).k > 0
+
+
+def test_waiting_in_a_batch_is_not_priced_as_orchestration():
+    costs = _measured()
+    lone = costs.round_seconds(4)
+    for _ in range(WINDOW):  # loaded rounds that waited 3 s in the batch queue
+        batched = _batched_round(4, 8, verify_s=_verify(4))
+        costs.observe(4, RoundTiming(**{**batched.__dict__, "overhead_s": 3.0}))
+    for _ in range(WINDOW):  # then alone again, plain decoding
+        costs.observe(0, _round(0))
+    assert costs.batch_sessions == 1
+    assert costs.round_seconds(4) == pytest.approx(lone)
+
+
+def test_costs_measured_under_load_expire_and_the_prior_takes_over():
+    # A busy spell measured draft steps 20x the calibration's; the request after it decodes
+    # alone and plain, so nothing measures the draft again. The old samples must not keep it
+    # plain for good.
+    now = [0.0]
+    prior = CostPrior(verify_s=[_verify(k) for k in range(9)], draft_step_s=STEP_S)
+    costs = CostModel(_config(), prior, clock=lambda: now[0])
+    for _ in range(WINDOW):
+        costs.observe(4, _round(4, catchup_s=20 * CATCHUP_S))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.8))
+    assert costs.draft_step_seconds == pytest.approx(STEP_S)  # steps as the prior (see below)
+    assert costs.catchup_seconds == pytest.approx(20 * CATCHUP_S)
+    assert controller.choose(limit=1000).k == 0
+    now[0] = MAX_AGE_S - 1
+    assert controller.choose(limit=1000).k == 0
+    now[0] = MAX_AGE_S + 1
+    assert costs.catchup_seconds == pytest.approx(STEP_S)  # the prior's (no catchup_s: a step)
+    assert controller.choose(limit=1000).k > 0
+
+
+def test_draft_costs_are_kept_per_load():
+    # Under load a draft batch carries other sessions' catch-ups, and shares the host with the
+    # target: steps measured at 8 sessions per batch are 20x the lone ones. Each load prices
+    # with its own.
+    costs = CostModel(_config(), _batch_prior())
+    for _ in range(WINDOW):
+        costs.observe(4, _round(4))
+    slow = _round(4, catchup_s=20 * CATCHUP_S)
+    slow = RoundTiming(**{**slow.__dict__, "draft_s": 20 * (CATCHUP_S + 3 * STEP_S)})
+    for _ in range(WINDOW):
+        costs.observe(4, RoundTiming(**{**slow.__dict__, "batch_sessions": 8, "batch_rows": 40}))
+    assert costs.batch_sessions == 8
+    assert costs.draft_step_seconds == pytest.approx(20 * STEP_S)
+    assert costs.catchup_seconds == pytest.approx(20 * CATCHUP_S)
+    assert costs.draft_seconds(4, sessions=1) == pytest.approx(CATCHUP_S + 3 * STEP_S)
+    for _ in range(WINDOW):  # alone again
+        costs.observe(0, _round(0))
+    assert costs.batch_sessions == 1
+    assert costs.draft_step_seconds == pytest.approx(STEP_S)
+    assert costs.draft_seconds(4, sessions=8) == pytest.approx(20 * (CATCHUP_S + 3 * STEP_S))

@@ -111,3 +111,20 @@ def test_the_draft_reports_its_catchup_apart_from_its_steps(recorded):
             assert timing.catchup_tokens == rebuilt["new_tokens"] > CATCHUP_STEADY_TOKENS
         else:  # last round's last accepted token and the bonus, or the correction alone
             assert 1 <= timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
+
+
+def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
+    seen = []
+
+    class _Counting(_SpyCosts):
+        def observe(self, k, timing):
+            seen.append(self.in_flight)
+            super().observe(k, timing)
+
+    costs = _Counting(engine.config.speculation)
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
+    request = prepare_request(prompt_ids, SamplingParams(max_new_tokens=6), engine.limits, K)
+    loop = RoundLoop(engine.transport, engine.tokenizer, request, costs, engine.config.speculation)
+    asyncio.run(loop.complete())
+    assert seen and set(seen) == {1}
+    assert costs.in_flight == 0

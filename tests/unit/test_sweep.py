@@ -274,6 +274,12 @@ class FakeRouter(specdec_pb2_grpc.SpeculativeDecodingServicer):
             yield specdec_pb2.GenerateResponse()
             for i in range(0, len(ids), 2):
                 yield specdec_pb2.GenerateResponse(token_ids=ids[i : i + 2])
+            # The final message: stats that name the request's length, so a test can tell
+            # whose they are.
+            stats = specdec_pb2.SpeculationStats(
+                draft_tokens=2 * len(ids), accepted_tokens=len(ids), draft_time_s=0.25 * len(ids)
+            )
+            yield specdec_pb2.GenerateResponse(finish_reason="length", stats=stats)
         finally:
             with self.lock:
                 self.in_flight -= 1
@@ -325,7 +331,11 @@ def test_run_cell_holds_c_streams_at_once_with_different_prompts(fake_service):
         assert r.ok and r.mode == "k=2" and r.concurrency == 3
         assert r.token_ids == list(prompts[r.prompt_index].prompt.encode())[:4]
         assert r.tokens == 4
+        assert (r.draft_tokens, r.accepted_tokens, r.draft_time_s) == (8, 4, 1.0)
         assert 0 < r.ttft_s <= r.latency_s
+    cell = sweep.summarize_cell(records, wall_s)
+    assert (cell["draft_tokens"], cell["accepted_tokens"]) == (48, 24)
+    assert cell["draft_time_s"] == pytest.approx(6.0)
     sent = router.requests
     assert all(q.temperature == 0.0 and q.HasField("temperature") for q in sent)
     assert all(q.num_speculative_tokens == 2 and q.max_new_tokens == 4 for q in sent)
