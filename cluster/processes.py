@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -96,13 +97,47 @@ def rss_bytes(pids: list[int]) -> int:
 # ---------------------------------------------------------------- start
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    # Hold all sockets open together so the n ports are distinct; the kernel will not hand
-    # them out again for a while, which leaves Ray time to bind them.
-    socks = []
+# Ports the kernel never assigns on its own: below its ephemeral range (Linux:
+# /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default) and above the well-known and
+# registered services most hosts run. A port taken from the ephemeral range with bind(0) was
+# free a moment ago, but the dozens of sockets a starting Ray cluster opens with bind(0) (its
+# workers, gRPC servers, agents) may be handed it next: CI saw Serve's HTTP proxy fail with
+# "Address already in use" on such a port.
+_PORT_FLOOR = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _unassigned_port_range() -> range:
+    """Ports from _PORT_FLOOR up to the kernel's ephemeral range; empty where that range is
+    unknown or starts lower."""
     try:
-        for _ in range(n):
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(_PORT_FLOOR, low)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago, chosen where the kernel
+    does not assign ports by itself (_unassigned_port_range), so that only a process that asks
+    for the same port by number can take it before its user binds it. Falls back to ports the
+    kernel picks (bind to 0) where that range is empty or full."""
+    # All sockets stay open together, so the n ports are distinct.
+    socks: list[socket.socket] = []
+    candidates = list(_unassigned_port_range())
+    random.shuffle(candidates)
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from pathlib import Path
 
 from specdec.client import SpecdecClient
+from specdec.cluster.processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CONFIG = ROOT / "deployments" / "config" / "local.yaml"
@@ -25,9 +25,10 @@ def write_prompt_set(folder: Path) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for Serve's gRPC or HTTP proxy (specdec.cluster.processes.free_ports: outside the
+    range the cluster's own sockets are given)."""
+    (port,) = free_ports(1)
+    return port
 
 
 @contextlib.contextmanager
