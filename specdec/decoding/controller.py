@@ -494,9 +494,9 @@ class KController:
         if self._probe_due(cap):
             return RoundPlan(min(1, cap))
         rate = self.acceptance.rate
-        sessions, start_s = None, 0.0
+        sessions, start_s = self.costs.batch_sessions, 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
-            sessions = max(self.costs.batch_sessions, self.costs.in_flight)
+            sessions = max(sessions, self.costs.in_flight)
             per_token = self.costs.catchup_token_at(sessions)
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
@@ -514,8 +514,7 @@ class KController:
                 best, sessions
             )
             verify_s = max(added, 0.0) / (cap - best)
-        load = self.costs.batch_sessions if sessions is None else sessions
-        marginal_s = self.costs.draft_step_at(load) + verify_s
+        marginal_s = self.costs.draft_step_at(sessions) + verify_s
         return RoundPlan(cap, min(marginal_s * tokens_per_s(best), 1.0))
 
     def _probe_due(self, cap: int) -> bool:

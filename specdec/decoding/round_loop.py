@@ -91,7 +91,6 @@ class RoundLoop:
         self._checker = StopChecker(
             tokenizer, request.max_new_tokens, request.stop_token_ids, params.stop
         )
-        self._costs = costs
         self._controller = KController(costs, config, fixed_k=request.num_speculative_tokens)
         self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
@@ -101,7 +100,7 @@ class RoundLoop:
 
     async def run(self) -> AsyncIterator[Delta]:
         """Yields each round's Delta; releases the session on both sides however it ends."""
-        self._costs.request_started()
+        self._controller.costs.request_started()
         try:
             delta = await self._prefill()
             yield delta
@@ -110,7 +109,7 @@ class RoundLoop:
                 yield delta
             self._finish()
         finally:
-            self._costs.request_ended()
+            self._controller.costs.request_ended()
             if self._draft_prefill is not None:
                 self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.

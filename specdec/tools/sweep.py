@@ -633,14 +633,12 @@ def main(args: argparse.Namespace) -> int:
                 cell_runs.append((records, wall_s))
                 if args.json:  # after every cell: a run stopped early keeps what it measured
                     write_json(args, command, host, info, prompts, cell_runs)
-                ok = [r for r in records if r.ok]
-                tokens = sum(r.tokens for r in ok)
-                failed = len(records) - len(ok)
-                drafted = sum(r.draft_tokens for r in ok)
+                cell = summarize_cell(records, wall_s)
+                failed = cell["requests"] - cell["completed"]
                 print(
                     f"sweep c={concurrency} {mode_label(k)}: {len(records)} requests, "
-                    f"{tokens} tokens in {wall_s:.2f} s, {drafted} drafted "
-                    f"({sum(r.draft_time_s for r in ok):.1f} s draft compute)"
+                    f"{cell['tokens']} tokens in {wall_s:.2f} s, {cell['draft_tokens']} drafted "
+                    f"({cell['draft_time_s']:.1f} s draft compute)"
                     + (f", {failed} failed" if failed else ""),
                     file=sys.stderr,
                     flush=True,
