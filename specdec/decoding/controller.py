@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import statistics
 import threading
@@ -74,6 +75,8 @@ MAX_AGE_S = 30.0
 # pay; kept apart, each load decides from its own measurements.
 LOAD_BUCKETS = 4
 PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance (alone)
+
+log = logging.getLogger(__name__)
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -492,6 +495,7 @@ class KController:
         if not self.costs.ready:
             return RoundPlan(min(self.initial_k, cap))
         if self._probe_due(cap):
+            log.debug("k=1: a probe after %d plain rounds", self._plain_rounds)
             return RoundPlan(min(1, cap))
         rate = self.acceptance.rate
         sessions, start_s = self.costs.batch_sessions, 0.0
@@ -506,6 +510,8 @@ class KController:
             return tokens / (self.costs.round_seconds(k, sessions) + start)
 
         best = max(range(cap + 1), key=tokens_per_s)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
         if not self.config.dynamic_draft_length or best == 0:
             return RoundPlan(best)
         verify_s = 0.0
@@ -516,6 +522,34 @@ class KController:
             verify_s = max(added, 0.0) / (cap - best)
         marginal_s = self.costs.draft_step_at(sessions) + verify_s
         return RoundPlan(cap, min(marginal_s * tokens_per_s(best), 1.0))
+
+    def _log_choice(
+        self,
+        best: int,
+        cap: int,
+        draft_lag: int,
+        sessions: float,
+        start_s: float,
+        tokens_per_s: Callable[[int], float],
+    ) -> None:
+        """One DEBUG line per choice: what the prices were when it was made (the deployment's
+        ``logging_config.log_level: DEBUG`` turns it on in a router's log)."""
+        costs = self.costs
+        log.debug(
+            "k=%d of %d: acceptance %.2f, batch %.1f sessions (%d in flight), draft lag %d "
+            "(start %.4f s/token), draft step %.4f s, catch-up %.4f s; predicted tokens/s "
+            "by k from 0: %s",
+            best,
+            cap,
+            self.acceptance.rate,
+            sessions,
+            costs.in_flight,
+            draft_lag,
+            start_s,
+            costs.draft_step_at(sessions),
+            costs.catchup_at(sessions),
+            " ".join(f"{tokens_per_s(k):.3f}" for k in range(cap + 1)),
+        )
 
     def _probe_due(self, cap: int) -> bool:
         """Whether this plain-decoding request should draft once to re-measure its acceptance.

@@ -461,3 +461,19 @@ def test_draft_costs_are_kept_per_load():
     assert costs.batch_sessions == 1
     assert costs.draft_step_seconds == pytest.approx(STEP_S)
     assert costs.draft_seconds(4, sessions=8) == pytest.approx(20 * (CATCHUP_S + 3 * STEP_S))
+
+
+def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
+    controller = KController(_measured(), _config())
+    controller.acceptance.observe(8, 8)  # a high acceptance: speculation pays
+    with caplog.at_level("DEBUG", logger="specdec.decoding.controller"):
+        plan = controller.choose(limit=100)
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert line.startswith(f"k={plan.k} of 8:")
+    predicted = [float(v) for v in line.rsplit(": ", 1)[1].split()]
+    assert len(predicted) == 9 and max(predicted) == predicted[plan.k]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="specdec.decoding.controller"):
+        controller.choose(limit=100)
+    assert not caplog.records

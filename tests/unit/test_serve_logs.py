@@ -38,3 +38,20 @@ def test_calibration_info_lines_reach_the_replica_log_once(serve_handler):
     route_specdec_logs()  # idempotent: no second copy of each line
     calibration.info("target runs in %s", "float32")
     assert serve_handler.messages == ["target runs in float32"]
+
+
+def test_specdec_lines_follow_the_level_serve_set_from_the_deployments_logging_config(
+    serve_handler,
+):
+    serve = logging.getLogger(SERVE_LOGGER)
+    saved = serve.level
+    try:
+        serve.setLevel(logging.DEBUG)  # logging_config: {log_level: DEBUG}
+        route_specdec_logs()
+        logging.getLogger("specdec.decoding.controller").debug("k=4 of 12")
+        serve.setLevel(logging.WARNING)
+        route_specdec_logs()
+        logging.getLogger("specdec.models.calibration").info("dropped at WARNING")
+    finally:
+        serve.setLevel(saved)
+    assert serve_handler.messages == ["k=4 of 12"]
