@@ -185,7 +185,7 @@ class RoundLoop:
             batch_rows=verified.batch_rows,
         )
         drafted, accepted = len(drafts), verified.num_accepted
-        self._controller.observe(drafted, accepted, timing)
+        self._controller.observe(drafted, accepted, timing, proposal.confidences)
         self._recorder.round(
             drafted,
             accepted,

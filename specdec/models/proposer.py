@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -150,7 +151,7 @@ class _Draft:
         self.tokens: list[int] = []
         self.q_ids: list[torch.Tensor] = []
         self.q_probs: list[torch.Tensor] = []
-        self.confidence = 1.0
+        self.confidences: list[float] = []  # the draft's probability of each of its tokens
         self.catchup_s = 0.0
 
     def take(self, logits: torch.Tensor) -> bool:
@@ -161,24 +162,25 @@ class _Draft:
         sampling = self.request.sampling
         if self.generator is None:
             token = int(logits.argmax())
-            if self.floor > 0:
-                self.confidence *= _softmax_at(logits, token)
+            confidence = _softmax_at(logits, token)
         else:
             probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             ids, values = truncate_top_n(probs[None], self.request.draft_top_n)
             j = sample(values[0], self.generator)
             token = int(ids[0, j])
-            self.confidence *= float(values[0, j])
+            confidence = float(values[0, j])
             self.q_ids.append(ids[0])
             self.q_probs.append(values[0])
         self.tokens.append(token)
-        return len(self.tokens) == self.k or self.confidence < self.floor
+        self.confidences.append(confidence)
+        return len(self.tokens) == self.k or math.prod(self.confidences) < self.floor
 
     def response(self) -> worker_pb2.ProposeResponse:
         response = worker_pb2.ProposeResponse(
             catchup_s=self.catchup_s,
             catchup_tokens=len(self.active.pending),
             token_ids=self.tokens,
+            confidences=self.confidences,
         )
         if self.q_ids:
             _fill_sparse(response.q, torch.stack(self.q_ids), torch.stack(self.q_probs))

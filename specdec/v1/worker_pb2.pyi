@@ -55,20 +55,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., draft_top_n: _Optional[int] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("cache_miss", "token_ids", "q", "compute_s", "catchup_s", "catchup_tokens")
+    __slots__ = ("cache_miss", "token_ids", "q", "compute_s", "catchup_s", "catchup_tokens", "confidences")
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     CATCHUP_S_FIELD_NUMBER: _ClassVar[int]
     CATCHUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     cache_miss: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: SparseDistribution
     compute_s: float
     catchup_s: float
     catchup_tokens: int
-    def __init__(self, cache_miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., compute_s: _Optional[float] = ..., catchup_s: _Optional[float] = ..., catchup_tokens: _Optional[int] = ...) -> None: ...
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, cache_miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDistribution, _Mapping]] = ..., compute_s: _Optional[float] = ..., catchup_s: _Optional[float] = ..., catchup_tokens: _Optional[int] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session", "draft_token_ids", "q", "sampling")

@@ -3,14 +3,18 @@ calibration priors, and the k it leads to (specdec.decoding.controller)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specdec.config import SpeculationConfig
 from specdec.decoding.controller import (
     CATCHUP_STEADY_TOKENS,
+    CONFIDENCE_WINDOW,
     MAX_AGE_S,
     PROBE_EVERY,
     WINDOW,
+    ConfidenceCalibration,
     CostModel,
     CostPrior,
     KController,
@@ -477,3 +481,56 @@ def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
     with caplog.at_level("INFO", logger="specdec.decoding.controller"):
         controller.choose(limit=100)
     assert not caplog.records
+
+
+def _calibrated(exponent: float, tokens: int, seed: int = 0) -> ConfidenceCalibration:
+    """A calibration fed rounds of 4 drafted tokens whose draft probabilities p are uniform in
+    [0.2, 1) and which the target accepts with probability p ** exponent each."""
+    rng = random.Random(seed)
+    calibration = ConfidenceCalibration()
+    while len(calibration._tokens) < tokens:
+        confidences = [rng.uniform(0.2, 1.0) for _ in range(4)]
+        accepted = 0
+        while accepted < 4 and rng.random() < confidences[accepted] ** exponent:
+            accepted += 1
+        calibration.observe(confidences, accepted)
+    return calibration
+
+
+@pytest.mark.parametrize("exponent", [0.3, 1.0, 2.5])
+def test_the_confidence_calibration_recovers_how_the_target_accepts(exponent):
+    fitted = _calibrated(exponent, CONFIDENCE_WINDOW).exponent
+    assert fitted == pytest.approx(exponent, rel=0.35)
+
+
+def test_the_confidence_calibration_counts_tokens_up_to_the_first_rejection_only():
+    calibration = ConfidenceCalibration()
+    calibration.observe([0.9, 0.8, 0.7, 0.6], 1)  # the second token rejected, two unseen
+    calibration.observe([0.5], 1)  # a one-token round, accepted
+    assert list(calibration._tokens) == [(0.9, True), (0.8, False), (0.5, True)]
+
+
+def test_an_uncalibrated_floor_is_the_raw_one_and_underconfidence_lowers_it():
+    calibration = ConfidenceCalibration()
+    calibration.observe([0.5] * 4, 4)
+    assert calibration.exponent == 1.0  # too few tokens to fit
+    assert calibration.raw_floor(0.3) == 0.3
+    under = _calibrated(0.3, CONFIDENCE_WINDOW)
+    assert under.raw_floor(0.3) == pytest.approx(0.3 ** (1 / under.exponent))
+    assert under.raw_floor(0.3) < 0.05
+
+
+def test_the_controller_sends_the_calibrated_floor():
+    # As test_dynamic_length_floor_uses_the_draft_step_not_the_catchup, with a draft whose
+    # confidences understate what the target accepts: the floor on its raw product is lower.
+    prior = CostPrior(verify_s=[0.25] * 9, draft_step_s=0.03, catchup_s=0.3)
+    controller = KController(
+        CostModel(_config(), prior),
+        _config(dynamic=True),
+        acceptance=_FixedRate(0.7),
+        confidence=_calibrated(0.3, CONFIDENCE_WINDOW),
+    )
+    floor = 0.03 * 2.94117 / 0.67
+    plan = controller.choose(limit=1000)
+    assert plan == (8, pytest.approx(floor ** (1 / controller.confidence.exponent), rel=1e-4))
+    assert plan.min_draft_confidence < floor / 2

@@ -128,3 +128,45 @@ def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
     asyncio.run(loop.complete())
     assert seen and set(seen) == {1}
     assert costs.in_flight == 0
+
+
+class _Rounds:
+    """Wraps the engine's transport: pairs each round's proposal with its verify's answer."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.rounds: list[tuple] = []  # (ProposeResponse, VerifyResponse)
+        self._proposal = None
+
+    async def propose(self, request):
+        response = await self.inner.propose(request)
+        if request.num_speculative_tokens:
+            self._proposal = response
+        return response
+
+    async def verify(self, request):
+        response = await self.inner.verify(request)
+        if request.draft_token_ids:
+            self.rounds.append((self._proposal, response))
+        return response
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+
+def test_the_drafts_confidences_reach_the_controllers_calibration(engine):
+    transport = _Rounds(engine.transport)
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[1])
+    request = prepare_request(prompt_ids, SamplingParams(max_new_tokens=24), engine.limits, K)
+    costs = CostModel(engine.config.speculation)
+    loop = RoundLoop(transport, engine.tokenizer, request, costs, engine.config.speculation)
+    asyncio.run(loop.complete())
+    assert len(transport.rounds) >= 3
+    expected = []
+    for proposal, verified in transport.rounds:
+        assert len(proposal.confidences) == len(proposal.token_ids)
+        assert all(0 < p <= 1 for p in proposal.confidences)
+        # The tokens up to the round's first rejection have an outcome; later ones none.
+        expected += list(proposal.confidences)[: verified.num_accepted + 1]
+    observed = [p for p, _ in loop._controller.confidence._tokens]
+    assert observed == pytest.approx(expected, rel=1e-6)

@@ -325,7 +325,12 @@ def test_greedy_draft_stops_after_the_token_where_its_confidence_falls_below_the
         sequence.append(int(probs.argmax()))
         products.append(products[-1] * float(probs.max()))
     continuation = sequence[len(prompt_ids) :]
-    assert list(_propose(proposer, prompt_ids, "all", 8, 0.0).token_ids) == continuation
+    whole = _propose(proposer, prompt_ids, "all", 8, 0.0)
+    assert list(whole.token_ids) == continuation
+    # Each token's confidence, reported for the router's calibration of the stop: the running
+    # products above are those of these values.
+    reported = torch.tensor(list(whole.confidences), dtype=torch.float64).cumprod(0).tolist()
+    assert reported == pytest.approx(products[1:], rel=1e-5)
     for stop in (1, 3, 6):
         # Above the product after stop tokens, at or below the one before it.
         floor = (products[stop - 1] + products[stop]) / 2
@@ -343,6 +348,7 @@ def test_sampled_draft_stop_follows_the_probabilities_it_sends(engine):
         q_ids = torch.tensor(response.q.token_ids).view(len(tokens), response.q.width)
         q_probs = torch.tensor(response.q.probs).view(len(tokens), response.q.width)
         chosen = [float(q_probs[i][q_ids[i] == t][0]) for i, t in enumerate(tokens)]
+        assert list(response.confidences) == pytest.approx(chosen, rel=1e-6)
         running = torch.tensor(chosen, dtype=torch.float64).cumprod(0)
         assert (running[:-1] >= floor).all()
         assert len(tokens) == 8 or running[-1] < floor
