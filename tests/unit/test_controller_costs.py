@@ -534,3 +534,17 @@ def test_the_controller_sends_the_calibrated_floor():
     plan = controller.choose(limit=1000)
     assert plan == (8, pytest.approx(floor ** (1 / controller.confidence.exponent), rel=1e-4))
     assert plan.min_draft_confidence < floor / 2
+
+
+def test_a_dynamic_round_stops_before_the_token_that_needs_a_second_verify_forward():
+    # Half precision on the AMX Xeon: one exact width, 7, so 1-7 rows cost one forward (0.28
+    # s) and 8-13 two. The 7th draft token would cost a whole forward, more than any token is
+    # worth at ~10 tokens/s; a smoothly growing verify lets the round go to k_max.
+    step_s, a = 0.05, 0.9
+    stepped = CostPrior(verify_s=[0.28] * 7 + [0.56] * 6, draft_step_s=step_s)
+    smooth = CostPrior(verify_s=[0.28 + 0.01 * k for k in range(13)], draft_step_s=step_s)
+    for prior, longest in ((stepped, 6), (smooth, 12)):
+        controller = KController(
+            CostModel(_config(12), prior), _config(12, dynamic=True), acceptance=_FixedRate(a)
+        )
+        assert controller.choose(limit=1000).k == longest
