@@ -95,6 +95,9 @@ class RoundLoop:
         self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
+        # Of the tokens committed since the draft's last call, those it already ran as draft
+        # tokens (all accepted ones but the last drafted): its cache holds them.
+        self._draft_ran = 0
         self._draft_prefill: asyncio.Future | None = None
         self.completion: Completion | None = None
 
@@ -158,9 +161,8 @@ class RoundLoop:
         return True
 
     async def _round(self) -> Delta:
-        plan = self._controller.choose(
-            self._checker.remaining - 1, draft_lag=len(self._ids) - self._known["draft"]
-        )
+        draft_lag = len(self._ids) - self._known["draft"] - self._draft_ran
+        plan = self._controller.choose(self._checker.remaining - 1, draft_lag=draft_lag)
         if plan.k > 0 and not await self._draft_prefilled():
             plan = plan._replace(k=0)
         start = time.perf_counter()
@@ -185,6 +187,8 @@ class RoundLoop:
             batch_rows=verified.batch_rows,
         )
         drafted, accepted = len(drafts), verified.num_accepted
+        if drafted:
+            self._draft_ran = min(accepted, drafted - 1)
         self._controller.observe(drafted, accepted, timing, proposal.confidences)
         self._recorder.round(
             drafted,

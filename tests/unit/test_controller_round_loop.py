@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specdec import SamplingParams
-from specdec.decoding.controller import CATCHUP_STEADY_TOKENS, CostModel, RoundTiming
+from specdec.decoding.controller import CATCHUP_STEADY_TOKENS, CostModel, KController, RoundTiming
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
 from specdec.pairs.tiny import PROMPTS
@@ -170,3 +170,30 @@ def test_the_drafts_confidences_reach_the_controllers_calibration(engine):
         expected += list(proposal.confidences)[: verified.num_accepted + 1]
     observed = [p for p, _ in loop._controller.confidence._tokens]
     assert observed == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_draft_lag_counts_only_tokens_the_drafts_cache_lacks(engine, monkeypatch):
+    # After a round the draft's cache holds its accepted tokens but the last drafted one, so it
+    # lacks at most CATCHUP_STEADY_TOKENS (the last draft token and the bonus). Counted from
+    # its last call instead, a fully accepted round of K looked like a lag of K + 1: a prefill
+    # to price (KController.choose).
+    lags = []
+    choose = KController.choose
+
+    def spy(self, limit, draft_lag=0):
+        lags.append(draft_lag)
+        return choose(self, limit, draft_lag)
+
+    monkeypatch.setattr(KController, "choose", spy)
+    transport = _Rounds(engine.transport)
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[1])
+    request = prepare_request(prompt_ids, SamplingParams(max_new_tokens=40), engine.limits, K)
+    costs = CostModel(engine.config.speculation)
+    asyncio.run(
+        RoundLoop(transport, engine.tokenizer, request, costs, engine.config.speculation).complete()
+    )
+    full = [v.num_accepted == K for _, v in transport.rounds[:-1]]
+    assert any(full), "no fully accepted round to test on"
+    # lags[0] is the first round's (the draft's prefill runs apart); every later round follows
+    # a speculative one.
+    assert lags[1:] and max(lags[1:]) <= CATCHUP_STEADY_TOKENS, lags
