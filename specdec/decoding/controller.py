@@ -444,9 +444,9 @@ class ConfidenceCalibration:
     accepted, the product of its probabilities of the block's tokens, falls below a floor. A
     draft is rarely calibrated to its target: on the bundled pair (greedy HumanEval, AMX Xeon) the
     target accepted 91% of the drafted tokens, yet the raw products stopped rounds after 3
-    tokens where 6 paid; the exponent fitted below had a median of 0.71 over the HumanEval and
-    Spec-Bench requests (probabilities understating acceptance), and with it rounds drafted 5.3 tokens and the service went from
-    1.85x to 2.35x plain generate on 20 prompts. The model here: a drafted token of draft
+    tokens where 6 paid. The exponent fitted below had a median of 0.71 over the HumanEval and
+    Spec-Bench requests (probabilities understating acceptance); with it, HumanEval rounds
+    drafted 5.3 tokens and the service went from 1.85x to 2.35x plain generate (20 prompts). The model here: a drafted token of draft
     probability p is accepted with probability p^g; g is fitted by matching the expected number
     of accepted tokens to the observed one, sum(p_i^g) = sum(accepted_i), over the last
     CONFIDENCE_WINDOW drafted tokens with an outcome (a token after its round's first rejection
