@@ -442,20 +442,21 @@ class ConfidenceCalibration:
 
     The dynamic draft length stops a round once the draft's own estimate that its block is
     accepted, the product of its probabilities of the block's tokens, falls below a floor. A
-    draft is rarely calibrated to its target: on the bundled pair (greedy HumanEval, AMX Xeon) the
-    target accepted 91% of the drafted tokens, yet the raw products stopped rounds after 3
+    draft is rarely calibrated to its target: on the bundled pair (greedy HumanEval, AMX Xeon)
+    the target accepted 91% of the drafted tokens, yet the raw products stopped rounds after 3
     tokens where 6 paid. The exponent fitted below had a median of 0.71 over the HumanEval and
     Spec-Bench requests (probabilities understating acceptance); with it, HumanEval rounds
-    drafted 5.3 tokens and the service went from 1.85x to 2.35x plain generate (20 prompts). The model here: a drafted token of draft
-    probability p is accepted with probability p^g; g is fitted by matching the expected number
-    of accepted tokens to the observed one, sum(p_i^g) = sum(accepted_i), over the last
-    CONFIDENCE_WINDOW drafted tokens with an outcome (a token after its round's first rejection
-    has none). sum(p_i^g) falls as g grows, so bisection finds it. A block's acceptance is then
-    prod(p_i^g) = prod(p_i)^g, and a floor f on it is the floor f^(1/g) on the draft's own
-    product, which the draft replica applies unchanged (raw_floor). A one-parameter power
-    calibration of the draft's confidence (cf. temperature scaling, Guo et al. 2017, section
-    4.2), chosen because it composes over a block; g = 1 (the raw product) until
-    CONFIDENCE_MIN_TOKENS are known.
+    drafted 5.3 tokens and the service went from 1.85x to 2.35x plain generate (20 prompts).
+
+    The model: a drafted token of draft probability p is accepted with probability p^g. g is
+    fitted by matching the expected number of accepted tokens to the observed one, sum(p_i^g) =
+    sum(accepted_i), over the last CONFIDENCE_WINDOW drafted tokens with an outcome (a token
+    after its round's first rejection has none); sum(p_i^g) falls as g grows, so bisection
+    finds it. A block's acceptance is then prod(p_i^g) = prod(p_i)^g, and a floor f on it is
+    the floor f^(1/g) on the draft's own product, which the draft replica applies unchanged
+    (raw_floor). A one-parameter power calibration of the draft's confidence (cf. temperature
+    scaling, Guo et al. 2017, section 4.2), chosen because it composes over a block; g = 1 (the
+    raw product) until CONFIDENCE_MIN_TOKENS are known.
     """
 
     def __init__(self) -> None:
