@@ -468,9 +468,11 @@ class ConfidenceCalibration:
     def observe(self, confidences: Sequence[float], num_accepted: int) -> None:
         """Records a round's drafted tokens' confidences (the draft's probability of each, in
         order) and how many of them the target accepted (the first num_accepted)."""
-        for i, p in enumerate(confidences[: num_accepted + 1]):
+        outcomes = confidences[: num_accepted + 1]
+        for i, p in enumerate(outcomes):
             self._tokens.append((min(max(float(p), 1e-9), 1.0), i < num_accepted))
-            self._exponent = None
+        if outcomes:
+            self._exponent = None  # refitted when next read
 
     @property
     def exponent(self) -> float:
@@ -590,8 +592,9 @@ class KController:
             self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
         if not self.config.dynamic_draft_length or best == 0:
             return RoundPlan(best)
-        longest, marginal_s = self._dynamic_length(best, cap, sessions, tokens_per_s(best))
-        floor = min(marginal_s * tokens_per_s(best), 1.0)
+        best_rate = tokens_per_s(best)
+        longest, marginal_s = self._dynamic_length(best, cap, sessions, best_rate)
+        floor = min(marginal_s * best_rate, 1.0)
         return RoundPlan(longest, self.confidence.raw_floor(floor))
 
     def _dynamic_length(
