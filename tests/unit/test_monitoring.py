@@ -108,6 +108,9 @@ def test_dashboard_covers_what_a_team_watches():
         "ray_specdec_cache_bytes",
         "ray_specdec_cache_sessions",
         "ray_specdec_requests_total",  # errors by code
+        "ray_specdec_batch_size_bucket",  # sessions per batch (issue 12)
+        "ray_specdec_batch_size_sum",
+        "ray_specdec_batch_wait_seconds_bucket",  # batch wait
     ):
         assert name in used, name
     assert "histogram_quantile(0.99" in exprs and 'code!="OK"' in exprs
