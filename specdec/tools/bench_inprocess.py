@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from specdec.tools.datasets import BenchPrompt
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4}  # int8 loads as float32
 MEMORY_MARGIN = 1.3  # activations, KV caches, allocator slack over the weights
+RAY_MEMORY_THRESHOLD = 0.95  # Ray's default memory_usage_threshold (its memory monitor)
 DTYPE_PICK_TOKENS = 8  # new tokens of the timed generate that picks plain_generate's dtype
 # Assisted-generation settings tried on the first prompt (set on the assistant's
 # generation_config, where transformers reads them). "defaults" is transformers 5's: a constant
@@ -82,19 +84,46 @@ def choose_dtype(
 
 
 def memory_available(device: str) -> int | None:
-    """Bytes free for new models: MemAvailable from /proc/meminfo on a CPU, the free device
-    memory on a GPU; None when unknown."""
+    """Bytes free for new models: on a GPU its free memory; on a CPU MemAvailable from
+    /proc/meminfo less the headroom Ray's memory monitor keeps (ray_monitor_headroom), since a
+    local cluster (`specdec serve --local`) shares this memory; None when unknown."""
     if device.startswith("cuda"):
         import torch
 
         return torch.cuda.mem_get_info(torch.device(device))[0]
+    meminfo = _meminfo_bytes()
+    if "MemAvailable" not in meminfo:
+        return None
+    headroom = ray_monitor_headroom(meminfo.get("MemTotal", 0))
+    return max(meminfo["MemAvailable"] - headroom, 0)
+
+
+def ray_monitor_headroom(total_bytes: int) -> int:
+    """Bytes Ray's memory monitor wants free on a node of ``total_bytes``: it kills workers
+    (the Serve controller and replicas among them) once used memory passes
+    RAY_memory_usage_threshold of the total (default RAY_MEMORY_THRESHOLD). A bench that loaded
+    its models up to MemAvailable set it off on a 24 GiB CPU node: float32 plain_generate plus
+    the assistant of hf_assisted beside the service's two replicas."""
+    # Ray's own spelling: its raylet reads RAY_<config name> for every RAY_CONFIG setting.
+    variable = "RAY_memory_usage_threshold"  # noqa: SIM112
+    try:
+        threshold = float(os.environ.get(variable, RAY_MEMORY_THRESHOLD))
+    except ValueError:
+        threshold = RAY_MEMORY_THRESHOLD
+    return int(total_bytes * (1.0 - min(max(threshold, 0.0), 1.0)))
+
+
+def _meminfo_bytes() -> dict[str, int]:
+    """/proc/meminfo's kB fields in bytes (empty where there is none)."""
+    fields = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+            name, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
         pass
-    return None
+    return fields
 
 
 def model_bytes(spec: str, dtype: str) -> int | None:

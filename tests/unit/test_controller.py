@@ -92,6 +92,59 @@ def test_plain_decoding_probes_speculation_again():
     assert controller.choose(limit=100).k == 1
 
 
+def _cpu_like_costs() -> CostModel:
+    """Costs where speculation pays from an acceptance of about 0.5: the verify's second row
+    costs 0.2 s more than one row (a CPU's GEMM), a draft step 0.09 s. At 0.42 plain decoding
+    is best (2.00 tokens/s against 1.75 at k = 1); at 0.70 k = 3 (2.46)."""
+    costs = CostModel(_config())
+    for k in range(9):
+        for _ in range(30):
+            costs.observe(k, _timing(k, 0.09, 0.5 + (0.2 if k else 0.0) + 0.02 * k))
+    return costs
+
+
+def _pool(costs: CostModel, accepted_pattern: list[int], k: int = 4, rounds: int = 60) -> None:
+    """Other requests' rounds of k draft tokens, accepting accepted_pattern in turn."""
+    for i in range(rounds):
+        other = KController(costs, _config())
+        other.observe(k, accepted_pattern[i % len(accepted_pattern)], _timing(k, 0.09, 0.78))
+
+
+def test_a_request_starts_from_the_pooled_acceptance_of_recent_rounds():
+    costs = _cpu_like_costs()
+    assert KController(costs, _config()).acceptance.rate == pytest.approx(0.6)  # nothing pooled
+    _pool(costs, [4, 0])  # 4 of 4, then 0 of 4: 4 accepted per rejection, a = 0.8
+    assert KController(costs, _config()).acceptance.rate == pytest.approx(0.8, abs=0.02)
+
+
+def test_one_rejected_first_round_does_not_turn_a_request_plain():
+    """The AVX2 HumanEval case: the first round rejects its first token. With the fixed prior
+    the request's estimate falls from 0.6 to 0.42 and it decodes plain until a probe 16 rounds
+    later; starting from its neighbours' 0.8 it falls to about 0.65 and keeps drafting."""
+    alone = KController(_cpu_like_costs(), _config())
+    first = alone.choose(limit=100).k
+    alone.observe(first, 0, _timing(first, 0.09, 0.78))
+    assert alone.acceptance.rate == pytest.approx(0.42, abs=0.01)
+    assert alone.choose(limit=100).k == 0
+
+    costs = _cpu_like_costs()
+    _pool(costs, [4, 0])
+    pooled = KController(costs, _config())
+    first = pooled.choose(limit=100).k
+    assert first >= 3
+    pooled.observe(first, 0, _timing(first, 0.09, 0.78))
+    assert pooled.acceptance.rate == pytest.approx(0.65, abs=0.02)
+    assert pooled.choose(limit=100).k >= 3
+
+
+def test_a_request_among_rejected_drafts_starts_plain():
+    costs = _cpu_like_costs()
+    _pool(costs, [0, 1])  # 1 accepted per 2 rejections: a = 0.33
+    controller = KController(costs, _config())
+    assert controller.acceptance.rate == pytest.approx(1 / 3, abs=0.02)
+    assert controller.choose(limit=100).k == 0
+
+
 def test_acceptance_estimate_is_the_truncated_geometric_mle():
     estimator = AcceptanceEstimator()
     for _ in range(500):
