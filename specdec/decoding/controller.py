@@ -442,6 +442,17 @@ class CostModel:
         return prior[k] * _interpolate(ratios, k)
 
 
+def _decayed_counts(
+    accepted: float, rejected: float, decay: float, k: int, num_accepted: int
+) -> tuple[float, float]:
+    """(accepted, rejected) after a round that drafted k tokens and accepted num_accepted:
+    num_accepted acceptances and, if num_accepted < k, one rejection, the old counts decayed;
+    unchanged by a plain round (k = 0)."""
+    if k == 0:
+        return accepted, rejected
+    return accepted * decay + num_accepted, rejected * decay + (num_accepted < k)
+
+
 class AcceptanceEstimator:
     """Per-request acceptance rate, by maximum likelihood under i.i.d. acceptance.
 
@@ -463,10 +474,9 @@ class AcceptanceEstimator:
             self._rejected = POOLED_PRIOR_EVENTS * (1.0 - prior_rate)
 
     def observe(self, k: int, num_accepted: int) -> None:
-        if k == 0:
-            return
-        self._accepted = self._accepted * ACCEPTANCE_DECAY + num_accepted
-        self._rejected = self._rejected * ACCEPTANCE_DECAY + (num_accepted < k)
+        self._accepted, self._rejected = _decayed_counts(
+            self._accepted, self._rejected, ACCEPTANCE_DECAY, k, num_accepted
+        )
 
     @property
     def rate(self) -> float:
@@ -493,11 +503,10 @@ class PooledAcceptance:
 
     def observe(self, k: int, num_accepted: int) -> None:
         """Records a round that drafted k tokens and accepted num_accepted of them."""
-        if k == 0:
-            return
         with self._lock:
-            self._accepted = self._accepted * POOL_DECAY + num_accepted
-            self._rejected = self._rejected * POOL_DECAY + (num_accepted < k)
+            self._accepted, self._rejected = _decayed_counts(
+                self._accepted, self._rejected, POOL_DECAY, k, num_accepted
+            )
 
     @property
     def rate(self) -> float | None:
