@@ -429,6 +429,22 @@ def test_waiting_in_a_batch_is_not_priced_as_orchestration():
     assert costs.round_seconds(4) == pytest.approx(lone)
 
 
+def test_a_lone_verify_beside_other_requests_in_flight_is_not_priced_as_orchestration():
+    # Two streams out of step: each verify runs alone, after waiting in the batch queue for
+    # the other request's call (and its draft for the other's draft).
+    costs = _measured()
+    alone = costs.round_seconds(4)
+    costs.request_started()
+    costs.request_started()
+    for _ in range(WINDOW):
+        costs.observe(4, _round(4, overhead_s=0.9))
+    assert costs.round_seconds(4) == pytest.approx(alone)
+    costs.request_ended()
+    for _ in range(WINDOW):  # alone on the router: its orchestration is measured
+        costs.observe(4, _round(4, overhead_s=0.9))
+    assert costs.round_seconds(4) == pytest.approx(alone - OVERHEAD_S + 0.9)
+
+
 def test_costs_measured_under_load_expire_and_the_prior_takes_over():
     # A busy spell measured draft steps 20x the calibration's; the request after it decodes
     # alone and plain, so nothing measures the draft again. The old samples must not keep it
