@@ -25,7 +25,9 @@ kept apart as a cost per token; a verify or an orchestration time of a round in 
 rebuilt its cache; the orchestration of a round while other requests are in flight, mostly
 its wait in the batch queues).
 Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
-replicas' start-up calibration) stands in for it.
+replicas' start-up calibration) stands in for it. The draft's costs are kept by load (requests
+in flight); a load not yet measured costs at least what lighter ones measured, and only one
+request at a time drafts there until a round has measured it (CostModel.may_draft_at).
 
 Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
@@ -72,19 +74,28 @@ PRIOR_REJECTED = 1.0
 POOLED_PRIOR_EVENTS = 5.0
 POOL_DECAY = 0.98  # per-round forgetting of the pooled counts: about the last 50 rounds
 POOL_MIN_EVENTS = 8.0  # pooled events before the pool replaces the fixed prior
-# A cost sample counts this long. Costs measured under load (batches of prefills on the draft,
-# contention on a shared host) are many times the lone ones, and a request that then decodes
-# plain never measures the draft again: with them kept, one busy minute stopped speculation for
-# every later request (measured: a lone request after 8 concurrent ones drafted 3 tokens in 62).
-# Past this age an estimate falls back to the prior (the replicas' calibration) until measured.
+# A cost sample counts this long; past it an estimate falls back to the prior (the replicas'
+# calibration) and lighter loads until measured again. Costs measured under load (batches of
+# prefills on the draft, contention on a shared host) are many times the lone ones, and a request
+# that then decodes plain never measures the draft again: with them kept, one busy minute stopped
+# speculation for every later request (a lone request after 8 concurrent ones drafted 3 tokens
+# in 62). A loaded router that decodes plain measures no draft step either; when its costs
+# expire, one request drafts to measure them again (CostModel.may_draft_at).
 MAX_AGE_S = 30.0
-# The draft's costs are kept per load (sessions per verify batch: 1, 2, 3-5, 6+). Under load a
-# draft batch carries other sessions' catch-ups and prefills, and on a shared host competes with
-# the target's batches: a draft step measured at 8 sessions was 0.38 s against 0.05 s alone. One
-# estimate for both either stopped speculation alone or kept it on under load, where it did not
-# pay; kept apart, each load decides from its own measurements.
+# The draft's costs are kept per load: 1, 2, 3-5, 6+ sessions, the larger of the verify batch's
+# sessions and the requests in flight on this router. Under load a draft batch carries other
+# sessions' catch-ups and prefills, and on a shared host competes with the target's batches: a
+# draft step measured at 8 sessions was 0.38 s against 0.05 s alone. One estimate for both
+# either stopped speculation alone or kept it on under load, where it did not pay; kept apart,
+# each load decides from its own measurements. The verify batch alone does not tell the load:
+# requests out of step verify one at a time while the others draft, and their draft steps
+# (0.21 s against 0.04 s alone) then priced the last request of a burst, alone, as loaded.
 LOAD_BUCKETS = 4
 PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance (alone)
+# At a load whose draft costs are not measured yet, one request at a time drafts to measure them
+# (CostModel.may_draft_at); another may try once this long has passed without a measurement
+# (the first request's round failed, or it ended).
+EXPLORE_S = 30.0
 # The confidence stop's calibration (ConfidenceCalibration): the drafted tokens it fits on, the
 # fewest it trusts, and the range of its exponent.
 CONFIDENCE_WINDOW = 256
@@ -115,6 +126,8 @@ class CostPrior:
             calibration's forward_s[0]).
         catchup_s: seconds of a speculative round's draft catch-up over 1-2 committed tokens
             (e.g. the draft's forward_s[1]); None takes draft_step_s.
+        catchup_token_s: seconds per token of a longer draft catch-up (a prefill; the draft
+            calibration's prefill_s_per_token); None: 0 until measured.
         batch_verify_s: seconds of a batched verify by the rows of all its sessions:
             batch_verify_s[r - 1] for r rows (the target's exact widths, padding and chunks
             included); empty: batches are priced as single sessions.
@@ -126,13 +139,13 @@ class CostPrior:
     draft_step_s: float
     catchup_s: float | None = None
     batch_verify_s: Sequence[float] = ()
+    catchup_token_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_s", tuple(float(v) for v in self.verify_s))
         object.__setattr__(self, "batch_verify_s", tuple(float(v) for v in self.batch_verify_s))
         values = [*self.verify_s, *self.batch_verify_s, self.draft_step_s]
-        if self.catchup_s is not None:
-            values.append(self.catchup_s)
+        values += [v for v in (self.catchup_s, self.catchup_token_s) if v is not None]
         if not self.verify_s or not all(math.isfinite(v) and v > 0 for v in values):
             raise ValueError(f"CostPrior needs finite seconds > 0 and a verify_s, got {self}")
 
@@ -212,13 +225,29 @@ class _ByLoad:
     def value(self, sessions: float) -> float | None:
         return self._windows[_load_bucket(sessions)].value
 
-    def nearest(self, sessions: float) -> float | None:
-        """The value of the measured bucket nearest to this load's (the lighter load on a
-        tie); None when no bucket has a fresh sample."""
+    def estimate(self, sessions: float, prior: float | None) -> float | None:
+        """The value at this load: measured there; else, between two measured loads (the
+        prior stands for the lone load until it is measured), interpolated on log load
+        (geometrically: the buckets are powers of two); else the largest of the lighter loads'
+        values, since a cost does not fall as the load grows; else the nearest heavier load's;
+        else None."""
         bucket = _load_bucket(sessions)
-        by_distance = sorted(range(LOAD_BUCKETS), key=lambda b: (abs(b - bucket), b))
-        values = (self._windows[b].value for b in by_distance)
-        return next((v for v in values if v is not None), None)
+        known = {b: w.value for b, w in enumerate(self._windows) if w.value is not None}
+        if prior is not None:
+            known.setdefault(0, prior)
+        if bucket in known:
+            return known[bucket]
+        lighter = [b for b in known if b < bucket]
+        heavier = [b for b in known if b > bucket]
+        if not lighter:
+            return known[min(heavier)] if heavier else None
+        floor = max(known[b] for b in lighter)
+        if not heavier:
+            return floor
+        (b0, b1) = max(lighter), min(heavier)
+        v0, v1, share = known[b0], known[b1], (bucket - b0) / (b1 - b0)
+        between = v0 * (v1 / v0) ** share if v0 > 0 and v1 > 0 else v0 + (v1 - v0) * share
+        return max(floor, between)
 
 
 class CostModel:
@@ -257,6 +286,8 @@ class CostModel:
         self._batch_sessions = _WindowMedian(clock)
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
+        self._clock = clock
+        self._exploring: dict[int, float] = {}  # load bucket -> when a request began drafting there
         # Not a cost, but shared by the same requests: each KController's acceptance prior.
         self.pooled_acceptance = PooledAcceptance()
 
@@ -276,10 +307,10 @@ class CostModel:
         (catchup_token_seconds). Verify: from rounds in which the target did not rebuild.
         Orchestration: from rounds of a request alone on this engine or router (no batch, no
         other request in flight) in which no side rebuilt. The draft's costs
-        are kept for the load the round ran at (its verify batch's sessions, LOAD_BUCKETS).
+        are kept for the load the round ran at (draft_load, LOAD_BUCKETS).
         """
-        load = max(timing.batch_sessions, 1)
         with self._lock:
+            load = max(timing.batch_sessions, self._in_flight, 1)
             if k >= 2:
                 self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
             steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
@@ -305,6 +336,31 @@ class CostModel:
             if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
 
+    def may_draft_at(self, sessions: float) -> bool:
+        """Whether a request may draft at a load of ``sessions`` (draft_load): always alone or
+        where the draft's costs at that load are measured; else only the first request to ask,
+        until its round measures them (or EXPLORE_S passes).
+
+        Why: a load not yet measured is priced from lighter ones (at worst the calibration's
+        lone costs), and where draft and target share a host the draft costs many times that
+        under load. A burst of 8 requests on the AMX Xeon all started drafting at the lone
+        price: 8 draft prefills of about 110 tokens beside the target's own, then draft steps
+        of 0.3 s against 0.05 s alone, measured only after everyone had paid them (TTFT p50
+        6.0 s against 2.0 s at k = 0; auto 0.63x k = 0). One request's round measures the
+        load for all the others."""
+        bucket = _load_bucket(sessions)
+        if bucket == 0:
+            return True
+        windows = (self._step, self._catchup, self._catchup_token)
+        with self._lock:
+            if any(w.value(sessions) is not None for w in windows):
+                return True
+            began = self._exploring.get(bucket)
+            if began is not None and self._clock() - began < EXPLORE_S:
+                return False
+            self._exploring[bucket] = self._clock()
+            return True
+
     def request_started(self) -> None:
         """A request of this engine or router began (RoundLoop.run); see in_flight."""
         with self._lock:
@@ -321,54 +377,60 @@ class CostModel:
         only a few rounds later (KController.choose prices a draft's start with it)."""
         return self._in_flight
 
+    def draft_load(self, sessions: float | None = None) -> float:
+        """The load the draft runs at: the larger of ``sessions`` per verify batch (None:
+        batch_sessions) and the requests in flight."""
+        return max(self.batch_sessions if sessions is None else sessions, self._in_flight, 1)
+
     @property
     def draft_step_seconds(self) -> float | None:
-        """Seconds of one draft step at the current load: measured, else the prior's, else
-        None."""
-        return self.draft_step_at(self.batch_sessions)
+        """Seconds of one draft step at the current load (draft_step_at)."""
+        return self.draft_step_at(self.draft_load())
 
     @property
     def catchup_seconds(self) -> float | None:
-        """Seconds of a speculative round's draft catch-up at the current load: measured, else
-        the prior's, else a draft step (one forward over 1-2 rows costs about one over 1), else
-        None."""
-        return self.catchup_at(self.batch_sessions)
+        """Seconds of a speculative round's draft catch-up at the current load (catchup_at)."""
+        return self.catchup_at(self.draft_load())
 
     @property
     def catchup_token_seconds(self) -> float:
         """Seconds per token of a draft catch-up over more than CATCHUP_STEADY_TOKENS tokens (a
-        prefill, a rebuild, a return from plain decoding) at the current load, measured; 0
-        before the first."""
-        return self.catchup_token_at(self.batch_sessions)
+        prefill, a rebuild, a return from plain decoding) at the current load
+        (catchup_token_at)."""
+        return self.catchup_token_at(self.draft_load())
+
+    # Each draft cost at a load is what was measured at that load; else interpolated between
+    # measured loads, the calibration standing for the lone one; else, since a cost does not
+    # fall as the load grows, the largest measured at a lighter load (_ByLoad.estimate). Priced
+    # at the calibration's lone cost, 8 streams' first choices drafted 6 tokens at a 0.04 s
+    # step and measured 0.25-0.9 s; and as a burst drained from 8 requests to 5, the 5 were
+    # priced at the lone cost again although 8 had measured 0.36 s.
 
     def catchup_token_at(self, sessions: float) -> float:
-        """catchup_token_seconds at a load of ``sessions`` per batch; the lone measurement
-        where that load has none yet (the calibration has no per-token catch-up)."""
-        return self._catchup_token.value(sessions) or self._catchup_token.value(1) or 0.0
+        """catchup_token_seconds at a load of ``sessions``: as above, the prior being the
+        draft calibration's prefill seconds per token; 0 when nothing is known."""
+        prior = self._prior.catchup_token_s if self._prior else None
+        return self._catchup_token.estimate(sessions, prior) or 0.0
 
     def draft_step_at(self, sessions: float) -> float | None:
-        """draft_step_seconds at a load of ``sessions`` per batch: measured at that load, else
-        the prior's, else measured at the nearest other load (without that last fallback a
-        router without a calibration that had measured only lone steps failed a request
-        priced at the load in flight: int * None), else None."""
-        measured = self._step.value(sessions)
-        if measured is not None:
-            return measured
-        if self._prior:
-            return self._prior.draft_step_s
-        return self._step.nearest(sessions)
+        """draft_step_seconds at a load of ``sessions``, as above; None when nothing is known
+        (without the heavier loads' fallback, a router without a calibration that had
+        measured only loaded steps failed a request: int * None)."""
+        return self._step.estimate(sessions, self._prior.draft_step_s if self._prior else None)
 
     def catchup_at(self, sessions: float) -> float | None:
-        """catchup_seconds at a load of ``sessions`` per batch: measured at that load, else
-        the prior's, else measured at the nearest other load, else draft_step_at."""
+        """catchup_seconds at a load of ``sessions``, as above, and where that load has draft
+        steps measured but no catch-up yet, at least a step there (a forward over 1-2 rows
+        costs at least one over 1: the first rounds at a load measure steps, their catch-up
+        being the draft's prefill, and an 8-stream burst then priced k = 1 at the lone
+        catch-up of 0.06 s beside steps of 0.34 s); else draft_step_at."""
         measured = self._catchup.value(sessions)
         if measured is not None:
             return measured
-        if self._prior and self._prior.catchup_s is not None:
-            return self._prior.catchup_s
-        if self._prior is None and (nearest := self._catchup.nearest(sessions)) is not None:
-            return nearest
-        return self.draft_step_at(sessions)
+        prior = self._prior.catchup_s if self._prior else None
+        floors = [self._catchup.estimate(sessions, prior), self._step.value(sessions)]
+        floors = [v for v in floors if v is not None]
+        return max(floors) if floors else self.draft_step_at(sessions)
 
     @property
     def ready(self) -> bool:
@@ -400,11 +462,10 @@ class CostModel:
 
     def draft_seconds(self, k: int, sessions: float | None = None) -> float:
         """Predicted draft seconds of a round drafting k tokens: 0 for k = 0, else the catch-up
-        plus k - 1 draft steps, at a load of ``sessions`` per batch (None: the current one;
-        needs ready)."""
+        plus k - 1 draft steps, at draft_load(sessions) (needs ready)."""
         if k == 0:
             return 0.0
-        load = self.batch_sessions if sessions is None else sessions
+        load = self.draft_load(sessions)
         return self.catchup_at(load) + (k - 1) * self.draft_step_at(load)
 
     def round_seconds(self, k: int, sessions: float | None = None) -> float:
@@ -656,6 +717,9 @@ class KController:
         batch_sessions, in_flight): under a burst of requests the verify batches show the load
         only a few rounds later. With several target replicas this overstates the batch; the
         request then starts plain, and a later probe starts the draft.
+
+        Where the draft's costs at the current load are not measured yet, one request at a
+        time may draft there (CostModel.may_draft_at); the others decode plain meanwhile.
         """
         cap = max(0, min(self.config.max_speculative_tokens, limit))
         if self.fixed_k is not None:
@@ -669,7 +733,7 @@ class KController:
         sessions, start_s = self.costs.batch_sessions, 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
             sessions = max(sessions, self.costs.in_flight)
-            per_token = self.costs.catchup_token_at(sessions)
+            per_token = self.costs.catchup_token_at(self.costs.draft_load(sessions))
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
         def tokens_per_s(k: int) -> float:
@@ -680,6 +744,9 @@ class KController:
         best = max(range(cap + 1), key=tokens_per_s)
         if log.isEnabledFor(logging.DEBUG):
             self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
+        if best and not self.costs.may_draft_at(self.costs.draft_load(sessions)):
+            log.debug("k=0: another request is measuring the draft at this load")
+            return RoundPlan(0)
         if not self.config.dynamic_draft_length or best == 0:
             return RoundPlan(best)
         best_rate = tokens_per_s(best)
@@ -698,7 +765,7 @@ class KController:
         the verify pads to one exact width (7 on the AMX Xeon), and the token that needs a
         second forward costs a whole one (0.28 s against a 0.05 s draft step). Where the verify
         grows smoothly (float32) every token to ``cap`` can pay."""
-        step_s = self.costs.draft_step_at(sessions)
+        step_s = self.costs.draft_step_at(self.costs.draft_load(sessions))
         verify = [self.costs.verify_seconds(k, sessions) for k in range(best, cap + 1)]
         longest = best
         while longest < cap:
@@ -735,8 +802,8 @@ class KController:
             costs.in_flight,
             draft_lag,
             start_s,
-            costs.draft_step_at(sessions),
-            costs.catchup_at(sessions),
+            costs.draft_step_at(costs.draft_load(sessions)),
+            costs.catchup_at(costs.draft_load(sessions)),
             " ".join(f"{tokens_per_s(k):.3f}" for k in range(cap + 1)),
         )
 

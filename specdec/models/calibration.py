@@ -167,6 +167,7 @@ class Calibration:
                 forward_s=candidate.forward_s,
                 cache_tokens=candidate.cache_tokens,
                 exact=candidate.exact is not None,
+                prefill_s_per_token=candidate.prefill_s_per_token,
             )
 
 
@@ -660,13 +661,15 @@ def cost_prior(
 ) -> CostPrior | None:
     """The controller's starting costs from two specdec.v1.DeviceCalibration messages: verify
     of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
-    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward, and
-    a batched verify of r rows, r up to max_batch_size x (k_max + 1), = r rows in the exact
-    widths. None when either side reported no costs."""
+    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward, a
+    longer catch-up = the draft's prefill seconds per token, and a batched verify of r rows, r
+    up to max_batch_size x (k_max + 1), = r rows in the exact widths. None when either side
+    reported no costs."""
     target_costs = _chosen_costs(target)
     draft_costs = _chosen_costs(draft)
     if not target_costs or not draft_costs:
         return None
+    draft_prefill = next(c for c in draft.candidates if c.dtype == draft.dtype).prefill_s_per_token
     exact = ExactWidths(
         tuple(target.exact_widths) or tuple(range(1, len(target_costs) + 1)), target_costs
     )
@@ -678,6 +681,7 @@ def cost_prior(
         draft_step_s=draft_costs[0],
         catchup_s=catchup_s,
         batch_verify_s=[exact.rows_seconds(rows) for rows in range(1, batch_rows + 1)],
+        catchup_token_s=draft_prefill if draft_prefill > 0 else None,  # 0: not reported
     )
 
 

@@ -157,13 +157,15 @@ class DeviceCalibration(_message.Message):
     def __init__(self, device: _Optional[str] = ..., dtype: _Optional[str] = ..., automatic: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[DtypeCost, _Mapping]]] = ..., exact_widths: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class DtypeCost(_message.Message):
-    __slots__ = ("dtype", "forward_s", "cache_tokens", "exact")
+    __slots__ = ("dtype", "forward_s", "cache_tokens", "exact", "prefill_s_per_token")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     forward_s: _containers.RepeatedScalarFieldContainer[float]
     cache_tokens: int
     exact: bool
-    def __init__(self, dtype: _Optional[str] = ..., forward_s: _Optional[_Iterable[float]] = ..., cache_tokens: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+    prefill_s_per_token: float
+    def __init__(self, dtype: _Optional[str] = ..., forward_s: _Optional[_Iterable[float]] = ..., cache_tokens: _Optional[int] = ..., exact: _Optional[bool] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...

@@ -56,6 +56,8 @@ def test_a_stored_calibration_is_reused_as_measured(tiny_pair, tmp_path, measure
     message = specdec_pb2.DeviceCalibration()
     reused.to_proto(message)
     assert message.reused and message.dtype == "float32"
+    (chosen,) = [c for c in message.candidates if c.dtype == message.dtype]
+    assert chosen.prefill_s_per_token == reused.chosen.prefill_s_per_token > 0
 
 
 def test_a_replica_that_waited_for_the_lock_reuses_what_the_other_stored(

@@ -3,6 +3,7 @@ calibration priors, and the k it leads to (specdec.decoding.controller)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from specdec.config import SpeculationConfig
 from specdec.decoding.controller import (
     CATCHUP_STEADY_TOKENS,
     CONFIDENCE_WINDOW,
+    EXPLORE_S,
     MAX_AGE_S,
     PROBE_EVERY,
     WINDOW,
@@ -499,7 +501,8 @@ def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
     assert costs.draft_seconds(4, sessions=8) == pytest.approx(CATCHUP_S + 3 * STEP_S)
     controller = KController(costs, _config(), acceptance=_FixedRate(0.8))
     # No long catch-up measured yet, so no start charge: priced as the lone load it chose from.
-    assert controller.choose(limit=100, draft_lag=120) == controller.choose(limit=100)
+    alone = KController(_measured(), _config(), acceptance=_FixedRate(0.8))
+    assert controller.choose(limit=100, draft_lag=120) == alone.choose(limit=100)
     loaded = _round(4, catchup_s=2 * CATCHUP_S)
     loaded = RoundTiming(
         **{**loaded.__dict__, "draft_s": 2 * (CATCHUP_S + 3 * STEP_S), "batch_sessions": 2}
@@ -508,6 +511,100 @@ def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
     # 2 sessions per batch is nearer to 8 than 1 is.
     assert costs.draft_step_at(8) == pytest.approx(2 * STEP_S)
     assert costs.catchup_at(8) == pytest.approx(2 * CATCHUP_S)
+
+
+def test_draft_costs_are_kept_by_the_requests_in_flight_not_only_the_verify_batch():
+    # Two streams out of step verify one at a time (batch 1) while the other drafts: their
+    # slow draft steps are loaded ones, and the last request of the burst, alone, keeps the
+    # lone price.
+    costs = CostModel(_config(), _batch_prior())
+    for _ in range(WINDOW):
+        costs.observe(4, _round(4))
+    costs.request_started()
+    costs.request_started()
+    slow = _round(4, catchup_s=10 * CATCHUP_S)
+    slow = RoundTiming(**{**slow.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S)})
+    for _ in range(WINDOW):
+        costs.observe(4, slow)
+    assert costs.batch_sessions == 1
+    assert costs.draft_step_seconds == pytest.approx(10 * STEP_S)
+    assert costs.draft_seconds(4) == pytest.approx(10 * (CATCHUP_S + 3 * STEP_S))
+    costs.request_ended()
+    assert costs.draft_step_seconds == pytest.approx(STEP_S)
+    assert costs.catchup_seconds == pytest.approx(CATCHUP_S)
+
+
+def test_a_load_not_yet_measured_is_priced_from_the_measured_loads_around_it():
+    # The prior is a lone cost: 8 requests in flight, with steps measured 10x it at 2, are
+    # priced at 10x, not at the prior; a load below every measured one keeps the prior.
+    costs = CostModel(_config(), _batch_prior())
+    assert costs.draft_step_at(8) == pytest.approx(STEP_S)  # nothing measured: the prior
+    loaded = _round(4, catchup_s=10 * CATCHUP_S)
+    loaded = RoundTiming(
+        **{**loaded.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S), "batch_sessions": 2}
+    )
+    costs.observe(4, loaded)
+    assert costs.draft_step_at(2) == pytest.approx(10 * STEP_S)
+    assert costs.draft_step_at(8) == pytest.approx(10 * STEP_S)
+    assert costs.catchup_at(8) == pytest.approx(10 * CATCHUP_S)
+    assert costs.draft_step_at(1) == pytest.approx(STEP_S)
+    # Measured cheaper than the prior at 2: a heavier load keeps the prior as its floor.
+    cheap_draft_s = 0.1 * (CATCHUP_S + 3 * STEP_S)
+    cheap = RoundTiming(
+        **{**loaded.__dict__, "catchup_s": 0.1 * CATCHUP_S, "draft_s": cheap_draft_s}
+    )
+    for _ in range(WINDOW):
+        costs.observe(4, cheap)
+    assert costs.draft_step_at(2) == pytest.approx(0.1 * STEP_S)
+    assert costs.draft_step_at(8) == pytest.approx(STEP_S)
+    # At 8, steps measured, and a catch-up only as a prefill: a catch-up costs a step there.
+    prefill = RoundTiming(**{**loaded.__dict__, "catchup_tokens": 100, "batch_sessions": 8})
+    prefill = RoundTiming(**{**prefill.__dict__, "draft_s": prefill.catchup_s + 3 * 40 * STEP_S})
+    costs.observe(4, prefill)
+    assert costs.draft_step_at(8) == pytest.approx(40 * STEP_S)
+    assert costs.catchup_at(8) == pytest.approx(40 * STEP_S)
+    # Between 2 (0.1 x) and 8 (40 x): geometric on the load, at least the prior below it.
+    assert costs.draft_step_at(4) == pytest.approx(2 * STEP_S)
+
+
+def test_the_calibrations_prefill_cost_prices_a_draft_start_before_any_is_measured():
+    # Rows up to 16 cost one forward, so at 8 sessions drafting pays round by round; a draft
+    # 100 tokens behind, at the draft calibration's 20 ms per prefill token, delays all 8
+    # sessions' verifies by 2 s: not worth it for the 100 tokens left.
+    prior = dataclasses.replace(_batch_prior(flat_rows=16), catchup_token_s=0.02)
+    costs = CostModel(_config(), prior)
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
+    for _ in range(8):
+        costs.request_started()
+    assert costs.catchup_token_seconds == pytest.approx(0.02)
+    assert controller.choose(limit=99, draft_lag=100).k == 0
+    unpriced = KController(
+        CostModel(_config(), _batch_prior(flat_rows=16)), _config(), acceptance=_FixedRate(0.5)
+    )
+    for _ in range(8):
+        unpriced.costs.request_started()
+    assert unpriced.choose(limit=99, draft_lag=100).k > 0
+
+
+def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=64), clock=lambda: now[0])
+    burst = [KController(costs, _config(), acceptance=_FixedRate(0.9)) for _ in range(4)]
+    for _ in burst:
+        costs.request_started()
+    first, *others = burst
+    assert first.choose(limit=1000).k > 0  # drafting pays at the prior's prices
+    assert [c.choose(limit=1000).k for c in others] == [0, 0, 0]  # until it has measured
+    now[0] = EXPLORE_S + 1  # the first request's round never reported: another one tries
+    assert others[0].choose(limit=1000).k > 0
+    assert others[1].choose(limit=1000).k == 0
+    others[0].observe(4, 4, _round(4))  # measured at this load: everyone decides from it
+    assert all(c.choose(limit=1000).k > 0 for c in others)
+    # Alone, the calibration prices the draft well enough: no turn to wait for.
+    lone = CostModel(_config(), _batch_prior(flat_rows=64))
+    lone.request_started()
+    controllers = [KController(lone, _config(), acceptance=_FixedRate(0.9)) for _ in range(2)]
+    assert [c.choose(limit=1000).k > 0 for c in controllers] == [True, True]
 
 
 def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
