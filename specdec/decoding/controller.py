@@ -82,8 +82,8 @@ POOL_MIN_EVENTS = 8.0  # pooled events before the pool replaces the fixed prior
 # in 62). A loaded router that decodes plain measures no draft step either; when its costs
 # expire, one request drafts to measure them again (CostModel.may_draft_at).
 MAX_AGE_S = 30.0
-# The draft's costs are kept per load: 1, 2, 3-5, 6+ sessions, the larger of the verify batch's
-# sessions and the requests in flight on this router. Under load a draft batch carries other
+# The draft's costs are kept per load: 1, 2, 3-5, 6+ requests in flight on this router
+# (CostModel.draft_load). Under load a draft batch carries other
 # sessions' catch-ups and prefills, and on a shared host competes with the target's batches: a
 # draft step measured at 8 sessions was 0.38 s against 0.05 s alone. One estimate for both
 # either stopped speculation alone or kept it on under load, where it did not pay; kept apart,
@@ -214,7 +214,7 @@ def _load_bucket(sessions: float) -> int:
 
 
 class _ByLoad:
-    """One _WindowMedian per load bucket (_load_bucket of the batch's sessions)."""
+    """One _WindowMedian per load bucket (_load_bucket of CostModel.draft_load)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._windows = [_WindowMedian(clock) for _ in range(LOAD_BUCKETS)]
@@ -232,7 +232,8 @@ class _ByLoad:
         values, since a cost does not fall as the load grows; else the nearest heavier load's;
         else None."""
         bucket = _load_bucket(sessions)
-        known = {b: w.value for b, w in enumerate(self._windows) if w.value is not None}
+        values = [w.value for w in self._windows]  # each read once: a sample may age out
+        known = {b: v for b, v in enumerate(values) if v is not None}
         if prior is not None:
             known.setdefault(0, prior)
         if bucket in known:
@@ -287,7 +288,8 @@ class CostModel:
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
         self._clock = clock
-        self._exploring: dict[int, float] = {}  # load bucket -> when a request began drafting there
+        # load bucket -> (when, the KController) of the request measuring it (may_draft_at)
+        self._exploring: dict[int, tuple[float, object]] = {}
         # Not a cost, but shared by the same requests: each KController's acceptance prior.
         self.pooled_acceptance = PooledAcceptance()
 
@@ -310,7 +312,7 @@ class CostModel:
         are kept for the load the round ran at (draft_load, LOAD_BUCKETS).
         """
         with self._lock:
-            load = max(timing.batch_sessions, self._in_flight, 1)
+            load = self.draft_load()
             if k >= 2:
                 self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
             steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
@@ -336,10 +338,12 @@ class CostModel:
             if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
 
-    def may_draft_at(self, sessions: float) -> bool:
-        """Whether a request may draft at a load of ``sessions`` (draft_load): always alone or
-        where the draft's costs at that load are measured; else only the first request to ask,
-        until its round measures them (or EXPLORE_S passes).
+    def may_draft_at(self, sessions: float, owner: object) -> bool:
+        """Whether the request ``owner`` (its KController) may draft at a load of ``sessions``
+        (draft_load): always alone, or where a steady draft cost at that load is measured (a
+        step or a catch-up; a prefill alone does not tell the steps); else only the request that
+        asked first, until a round measures it, the request gives its turn back
+        (release_turn), or EXPLORE_S passes. Probes (KController._probe_due) do not ask.
 
         Why: a load not yet measured is priced from lighter ones (at worst the calibration's
         lone costs), and where draft and target share a host the draft costs many times that
@@ -349,25 +353,35 @@ class CostModel:
         6.0 s against 2.0 s at k = 0; auto 0.63x k = 0). One request's round measures the
         load for all the others."""
         bucket = _load_bucket(sessions)
-        if bucket == 0:
-            return True
-        windows = (self._step, self._catchup, self._catchup_token)
         with self._lock:
-            if any(w.value(sessions) is not None for w in windows):
+            if bucket == 0 or self._in_flight <= 1:
                 return True
-            began = self._exploring.get(bucket)
-            if began is not None and self._clock() - began < EXPLORE_S:
+            if self._step.value(sessions) is not None or self._catchup.value(sessions) is not None:
+                return True
+            turn = self._exploring.get(bucket)
+            if turn and turn[1] is not owner and self._clock() - turn[0] < EXPLORE_S:
                 return False
-            self._exploring[bucket] = self._clock()
+            self._exploring[bucket] = (self._clock(), owner)
             return True
+
+    def release_turn(self, owner: object) -> None:
+        """Gives back the turns of may_draft_at that ``owner`` holds: its round drafted nothing
+        after all (the draft's prefill not done yet, no draft replica), or its request ended."""
+        with self._lock:
+            for bucket, (_, holder) in list(self._exploring.items()):
+                if holder is owner:
+                    del self._exploring[bucket]
 
     def request_started(self) -> None:
         """A request of this engine or router began (RoundLoop.run); see in_flight."""
         with self._lock:
             self._in_flight += 1
 
-    def request_ended(self) -> None:
-        """A request that request_started counted has ended, however it ended."""
+    def request_ended(self, owner: object | None = None) -> None:
+        """A request that request_started counted has ended, however it ended; ``owner``: its
+        KController, whose turns of may_draft_at are given back."""
+        if owner is not None:
+            self.release_turn(owner)
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
 
@@ -377,10 +391,12 @@ class CostModel:
         only a few rounds later (KController.choose prices a draft's start with it)."""
         return self._in_flight
 
-    def draft_load(self, sessions: float | None = None) -> float:
-        """The load the draft runs at: the larger of ``sessions`` per verify batch (None:
-        batch_sessions) and the requests in flight."""
-        return max(self.batch_sessions if sessions is None else sessions, self._in_flight, 1)
+    def draft_load(self) -> int:
+        """The load the draft's costs are kept and priced at: the requests in flight on this
+        engine or router (at least 1). The same in choose and observe, so the round that
+        measures a load is the one priced at it; the verify batch does not tell it (requests
+        out of step verify one at a time while the others draft)."""
+        return max(self._in_flight, 1)
 
     @property
     def draft_step_seconds(self) -> float | None:
@@ -460,24 +476,24 @@ class CostModel:
         with self._lock:
             return self._verify_seconds(k, sessions)
 
-    def draft_seconds(self, k: int, sessions: float | None = None) -> float:
+    def draft_seconds(self, k: int) -> float:
         """Predicted draft seconds of a round drafting k tokens: 0 for k = 0, else the catch-up
-        plus k - 1 draft steps, at draft_load(sessions) (needs ready)."""
+        plus k - 1 draft steps, at draft_load (needs ready)."""
         if k == 0:
             return 0.0
-        load = self.draft_load(sessions)
+        load = self.draft_load()
         return self.catchup_at(load) + (k - 1) * self.draft_step_at(load)
 
     def round_seconds(self, k: int, sessions: float | None = None) -> float:
-        """Predicted seconds of a round drafting k tokens: draft, verify (sessions: as for
-        verify_seconds) and orchestration (the other kind of round's orchestration until this
-        kind's is measured; needs ready)."""
+        """Predicted seconds of a round drafting k tokens: draft (at draft_load), verify
+        (sessions: as for verify_seconds) and orchestration (the other kind of round's
+        orchestration until this kind's is measured; needs ready)."""
         with self._lock:
             verify = self._verify_seconds(k, sessions)
             overhead = self._overhead[k > 0].value
             if overhead is None:
                 overhead = self._overhead[k == 0].value or 0.0
-            draft = self.draft_seconds(k, sessions)
+            draft = self.draft_seconds(k)
         return max(draft + verify + overhead, 1e-9)
 
     @property
@@ -733,7 +749,7 @@ class KController:
         sessions, start_s = self.costs.batch_sessions, 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
             sessions = max(sessions, self.costs.in_flight)
-            per_token = self.costs.catchup_token_at(self.costs.draft_load(sessions))
+            per_token = self.costs.catchup_token_at(self.costs.draft_load())
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
         def tokens_per_s(k: int) -> float:
@@ -744,7 +760,7 @@ class KController:
         best = max(range(cap + 1), key=tokens_per_s)
         if log.isEnabledFor(logging.DEBUG):
             self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
-        if best and not self.costs.may_draft_at(self.costs.draft_load(sessions)):
+        if best and not self.costs.may_draft_at(self.costs.draft_load(), self):
             log.debug("k=0: another request is measuring the draft at this load")
             return RoundPlan(0)
         if not self.config.dynamic_draft_length or best == 0:
@@ -765,7 +781,7 @@ class KController:
         the verify pads to one exact width (7 on the AMX Xeon), and the token that needs a
         second forward costs a whole one (0.28 s against a 0.05 s draft step). Where the verify
         grows smoothly (float32) every token to ``cap`` can pay."""
-        step_s = self.costs.draft_step_at(self.costs.draft_load(sessions))
+        step_s = self.costs.draft_step_at(self.costs.draft_load())
         verify = [self.costs.verify_seconds(k, sessions) for k in range(best, cap + 1)]
         longest = best
         while longest < cap:
@@ -802,8 +818,8 @@ class KController:
             costs.in_flight,
             draft_lag,
             start_s,
-            costs.draft_step_at(costs.draft_load(sessions)),
-            costs.catchup_at(costs.draft_load(sessions)),
+            costs.draft_step_at(costs.draft_load()),
+            costs.catchup_at(costs.draft_load()),
             " ".join(f"{tokens_per_s(k):.3f}" for k in range(cap + 1)),
         )
 
@@ -832,6 +848,8 @@ class KController:
         them accepted, and the draft's probability of each (``confidences``, when reported):
         the acceptance and the confidence calibration for this request, the costs for all."""
         self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
+        if k == 0:
+            self.costs.release_turn(self)
         self.acceptance.observe(k, num_accepted)
         self.costs.pooled_acceptance.observe(k, num_accepted)
         self.confidence.observe(confidences, num_accepted)

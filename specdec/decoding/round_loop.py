@@ -112,7 +112,7 @@ class RoundLoop:
                 yield delta
             self._finish()
         finally:
-            self._controller.costs.request_ended()
+            self._controller.costs.request_ended(self._controller)
             if self._draft_prefill is not None:
                 self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.

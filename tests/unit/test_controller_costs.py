@@ -305,6 +305,14 @@ def test_dynamic_length_floor_uses_the_draft_step_not_the_catchup():
     assert controller.choose(limit=1000) == (8, pytest.approx(0.03 * 2.94117 / 0.67, rel=1e-4))
 
 
+def _with_in_flight(costs: CostModel, requests: int) -> None:
+    """Sets the requests in flight on ``costs``: the load its draft costs are kept at."""
+    while costs.in_flight < requests:
+        costs.request_started()
+    while costs.in_flight > requests:
+        costs.request_ended()
+
+
 def _batch_prior(k_max: int = 8, sessions: int = 8, flat_rows: int = 16) -> CostPrior:
     """A device where a forward costs 0.2 s up to ``flat_rows`` rows and grows 0.2 s per
     ``flat_rows`` rows after (weights read once per forward until the rows dominate)."""
@@ -476,17 +484,17 @@ def test_draft_costs_are_kept_per_load():
         costs.observe(4, _round(4))
     slow = _round(4, catchup_s=20 * CATCHUP_S)
     slow = RoundTiming(**{**slow.__dict__, "draft_s": 20 * (CATCHUP_S + 3 * STEP_S)})
+    _with_in_flight(costs, 8)
     for _ in range(WINDOW):
         costs.observe(4, RoundTiming(**{**slow.__dict__, "batch_sessions": 8, "batch_rows": 40}))
-    assert costs.batch_sessions == 8
     assert costs.draft_step_seconds == pytest.approx(20 * STEP_S)
     assert costs.catchup_seconds == pytest.approx(20 * CATCHUP_S)
-    assert costs.draft_seconds(4, sessions=1) == pytest.approx(CATCHUP_S + 3 * STEP_S)
-    for _ in range(WINDOW):  # alone again
-        costs.observe(0, _round(0))
-    assert costs.batch_sessions == 1
+    assert costs.draft_seconds(4) == pytest.approx(20 * (CATCHUP_S + 3 * STEP_S))
+    _with_in_flight(costs, 1)  # alone again
     assert costs.draft_step_seconds == pytest.approx(STEP_S)
-    assert costs.draft_seconds(4, sessions=8) == pytest.approx(20 * (CATCHUP_S + 3 * STEP_S))
+    assert costs.draft_seconds(4) == pytest.approx(CATCHUP_S + 3 * STEP_S)
+    _with_in_flight(costs, 8)
+    assert costs.draft_seconds(4) == pytest.approx(20 * (CATCHUP_S + 3 * STEP_S))
 
 
 def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
@@ -498,19 +506,20 @@ def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
         costs.request_started()
     assert costs.draft_step_at(8) == pytest.approx(STEP_S)
     assert costs.catchup_at(8) == pytest.approx(CATCHUP_S)
-    assert costs.draft_seconds(4, sessions=8) == pytest.approx(CATCHUP_S + 3 * STEP_S)
+    assert costs.draft_seconds(4) == pytest.approx(CATCHUP_S + 3 * STEP_S)
     controller = KController(costs, _config(), acceptance=_FixedRate(0.8))
     # No long catch-up measured yet, so no start charge: priced as the lone load it chose from.
     alone = KController(_measured(), _config(), acceptance=_FixedRate(0.8))
     assert controller.choose(limit=100, draft_lag=120) == alone.choose(limit=100)
+    # Measured only at 2 requests in flight: a lighter load takes the nearest measured one.
     loaded = _round(4, catchup_s=2 * CATCHUP_S)
-    loaded = RoundTiming(
-        **{**loaded.__dict__, "draft_s": 2 * (CATCHUP_S + 3 * STEP_S), "batch_sessions": 2}
-    )
-    costs.observe(4, loaded)
-    # 2 sessions per batch is nearer to 8 than 1 is.
-    assert costs.draft_step_at(8) == pytest.approx(2 * STEP_S)
-    assert costs.catchup_at(8) == pytest.approx(2 * CATCHUP_S)
+    loaded = RoundTiming(**{**loaded.__dict__, "draft_s": 2 * (CATCHUP_S + 3 * STEP_S)})
+    heavy = CostModel(_config())
+    _with_in_flight(heavy, 2)
+    heavy.observe(4, loaded)
+    assert heavy.draft_step_at(1) == pytest.approx(2 * STEP_S)
+    assert heavy.catchup_at(1) == pytest.approx(2 * CATCHUP_S)
+    assert heavy.draft_step_at(8) == pytest.approx(2 * STEP_S)
 
 
 def test_draft_costs_are_kept_by_the_requests_in_flight_not_only_the_verify_batch():
@@ -540,9 +549,8 @@ def test_a_load_not_yet_measured_is_priced_from_the_measured_loads_around_it():
     costs = CostModel(_config(), _batch_prior())
     assert costs.draft_step_at(8) == pytest.approx(STEP_S)  # nothing measured: the prior
     loaded = _round(4, catchup_s=10 * CATCHUP_S)
-    loaded = RoundTiming(
-        **{**loaded.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S), "batch_sessions": 2}
-    )
+    loaded = RoundTiming(**{**loaded.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S)})
+    _with_in_flight(costs, 2)
     costs.observe(4, loaded)
     assert costs.draft_step_at(2) == pytest.approx(10 * STEP_S)
     assert costs.draft_step_at(8) == pytest.approx(10 * STEP_S)
@@ -558,8 +566,9 @@ def test_a_load_not_yet_measured_is_priced_from_the_measured_loads_around_it():
     assert costs.draft_step_at(2) == pytest.approx(0.1 * STEP_S)
     assert costs.draft_step_at(8) == pytest.approx(STEP_S)
     # At 8, steps measured, and a catch-up only as a prefill: a catch-up costs a step there.
-    prefill = RoundTiming(**{**loaded.__dict__, "catchup_tokens": 100, "batch_sessions": 8})
+    prefill = RoundTiming(**{**loaded.__dict__, "catchup_tokens": 100})
     prefill = RoundTiming(**{**prefill.__dict__, "draft_s": prefill.catchup_s + 3 * 40 * STEP_S})
+    _with_in_flight(costs, 8)
     costs.observe(4, prefill)
     assert costs.draft_step_at(8) == pytest.approx(40 * STEP_S)
     assert costs.catchup_at(8) == pytest.approx(40 * STEP_S)
@@ -589,20 +598,36 @@ def test_the_calibrations_prefill_cost_prices_a_draft_start_before_any_is_measur
 def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
     now = [0.0]
     costs = CostModel(_config(), _batch_prior(flat_rows=64), clock=lambda: now[0])
-    burst = [KController(costs, _config(), acceptance=_FixedRate(0.9)) for _ in range(4)]
-    for _ in burst:
-        costs.request_started()
-    first, *others = burst
+    burst = [KController(costs, _config(), acceptance=_FixedRate(0.9)) for _ in range(5)]
+    _with_in_flight(costs, len(burst))
+    first, second, *others = burst
     assert first.choose(limit=1000).k > 0  # drafting pays at the prior's prices
-    assert [c.choose(limit=1000).k for c in others] == [0, 0, 0]  # until it has measured
-    now[0] = EXPLORE_S + 1  # the first request's round never reported: another one tries
+    assert [c.choose(limit=1000).k for c in (second, *others)] == [0, 0, 0, 0]
+    assert first.choose(limit=1000).k > 0  # its turn holds until a round measures the load
+    # Its round drafted nothing after all (the draft's prefill was not done): the turn passes.
+    first.observe(0, 0, _round(0))
+    assert second.choose(limit=1000).k > 0
+    assert first.choose(limit=1000).k == 0
+    # That request ended: the turn passes again.
+    costs.request_ended(second)
+    costs.request_started()
     assert others[0].choose(limit=1000).k > 0
+    # A round whose catch-up was the draft's prefill measured no step: still its turn alone.
+    prefill_only = _round(1, catchup_s=1.0, catchup_tokens=100)
+    others[0].observe(1, 1, prefill_only)
     assert others[1].choose(limit=1000).k == 0
-    others[0].observe(4, 4, _round(4))  # measured at this load: everyone decides from it
-    assert all(c.choose(limit=1000).k > 0 for c in others)
-    # Alone, the calibration prices the draft well enough: no turn to wait for.
+    now[0] = EXPLORE_S + 1  # its next round never reported: another one may try
+    assert others[1].choose(limit=1000).k > 0
+    assert others[2].choose(limit=1000).k == 0
+    others[1].observe(4, 4, _round(4))  # a step measured at this load: everyone decides from it
+    assert all(c.choose(limit=1000).k > 0 for c in burst)
+    # Alone, the calibration prices the draft well enough: no turn to wait for, even where the
+    # recent verify batches were large.
     lone = CostModel(_config(), _batch_prior(flat_rows=64))
     lone.request_started()
+    for _ in range(WINDOW):
+        lone.observe(0, _batched_round(0, 8, verify_s=0.2))
+    assert lone.batch_sessions == 8
     controllers = [KController(lone, _config(), acceptance=_FixedRate(0.9)) for _ in range(2)]
     assert [c.choose(limit=1000).k > 0 for c in controllers] == [True, True]
 
