@@ -60,6 +60,14 @@ def _round(
     )
 
 
+def _scaled_round(k: int, scale: float) -> RoundTiming:
+    """A round drafting k tokens whose catch-up and draft steps cost ``scale`` x _round's (a
+    draft under load)."""
+    timing = _round(k)
+    scaled = {"catchup_s": scale * timing.catchup_s, "draft_s": scale * timing.draft_s}
+    return RoundTiming(**{**timing.__dict__, **scaled})
+
+
 def _measured(k_max: int = 8, rounds: int = 3) -> CostModel:
     """Costs measured in steady rounds at every k."""
     costs = CostModel(_config(k_max))
@@ -482,8 +490,7 @@ def test_draft_costs_are_kept_per_load():
     costs = CostModel(_config(), _batch_prior())
     for _ in range(WINDOW):
         costs.observe(4, _round(4))
-    slow = _round(4, catchup_s=20 * CATCHUP_S)
-    slow = RoundTiming(**{**slow.__dict__, "draft_s": 20 * (CATCHUP_S + 3 * STEP_S)})
+    slow = _scaled_round(4, 20)
     _with_in_flight(costs, 8)
     for _ in range(WINDOW):
         costs.observe(4, RoundTiming(**{**slow.__dict__, "batch_sessions": 8, "batch_rows": 40}))
@@ -512,8 +519,7 @@ def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
     alone = KController(_measured(), _config(), acceptance=_FixedRate(0.8))
     assert controller.choose(limit=100, draft_lag=120) == alone.choose(limit=100)
     # Measured only at 2 requests in flight: a lighter load takes the nearest measured one.
-    loaded = _round(4, catchup_s=2 * CATCHUP_S)
-    loaded = RoundTiming(**{**loaded.__dict__, "draft_s": 2 * (CATCHUP_S + 3 * STEP_S)})
+    loaded = _scaled_round(4, 2)
     heavy = CostModel(_config())
     _with_in_flight(heavy, 2)
     heavy.observe(4, loaded)
@@ -531,8 +537,7 @@ def test_draft_costs_are_kept_by_the_requests_in_flight_not_only_the_verify_batc
         costs.observe(4, _round(4))
     costs.request_started()
     costs.request_started()
-    slow = _round(4, catchup_s=10 * CATCHUP_S)
-    slow = RoundTiming(**{**slow.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S)})
+    slow = _scaled_round(4, 10)
     for _ in range(WINDOW):
         costs.observe(4, slow)
     assert costs.batch_sessions == 1
@@ -548,8 +553,7 @@ def test_a_load_not_yet_measured_is_priced_from_the_measured_loads_around_it():
     # priced at 10x, not at the prior; a load below every measured one keeps the prior.
     costs = CostModel(_config(), _batch_prior())
     assert costs.draft_step_at(8) == pytest.approx(STEP_S)  # nothing measured: the prior
-    loaded = _round(4, catchup_s=10 * CATCHUP_S)
-    loaded = RoundTiming(**{**loaded.__dict__, "draft_s": 10 * (CATCHUP_S + 3 * STEP_S)})
+    loaded = _scaled_round(4, 10)
     _with_in_flight(costs, 2)
     costs.observe(4, loaded)
     assert costs.draft_step_at(2) == pytest.approx(10 * STEP_S)
@@ -557,10 +561,7 @@ def test_a_load_not_yet_measured_is_priced_from_the_measured_loads_around_it():
     assert costs.catchup_at(8) == pytest.approx(10 * CATCHUP_S)
     assert costs.draft_step_at(1) == pytest.approx(STEP_S)
     # Measured cheaper than the prior at 2: a heavier load keeps the prior as its floor.
-    cheap_draft_s = 0.1 * (CATCHUP_S + 3 * STEP_S)
-    cheap = RoundTiming(
-        **{**loaded.__dict__, "catchup_s": 0.1 * CATCHUP_S, "draft_s": cheap_draft_s}
-    )
+    cheap = _scaled_round(4, 0.1)
     for _ in range(WINDOW):
         costs.observe(4, cheap)
     assert costs.draft_step_at(2) == pytest.approx(0.1 * STEP_S)
