@@ -27,7 +27,7 @@ its wait in the batch queues).
 Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
 replicas' start-up calibration) stands in for it. The draft's costs are kept by load (requests
 in flight); a load not yet measured costs at least what lighter ones measured, and only one
-request at a time drafts there until a round has measured it (CostModel.may_draft_at).
+request at a time drafts there until a round has measured it (CostModel.may_draft).
 
 Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
@@ -80,7 +80,7 @@ POOL_MIN_EVENTS = 8.0  # pooled events before the pool replaces the fixed prior
 # that then decodes plain never measures the draft again: with them kept, one busy minute stopped
 # speculation for every later request (a lone request after 8 concurrent ones drafted 3 tokens
 # in 62). A loaded router that decodes plain measures no draft step either; when its costs
-# expire, one request drafts to measure them again (CostModel.may_draft_at).
+# expire, one request drafts to measure them again (CostModel.may_draft).
 MAX_AGE_S = 30.0
 # The draft's costs are kept per load: 1, 2, 3-5, 6+ requests in flight on this router
 # (CostModel.draft_load). Under load a draft batch carries other
@@ -93,7 +93,7 @@ MAX_AGE_S = 30.0
 LOAD_BUCKETS = 4
 PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptance (alone)
 # At a load whose draft costs are not measured yet, one request at a time drafts to measure them
-# (CostModel.may_draft_at); another may try once this long has passed without a measurement
+# (CostModel.may_draft); another may try once this long has passed without a measurement
 # (the first request's round failed, or it ended).
 EXPLORE_S = 30.0
 # The confidence stop's calibration (ConfidenceCalibration): the drafted tokens it fits on, the
@@ -288,7 +288,7 @@ class CostModel:
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
         self._clock = clock
-        # load bucket -> (when, the KController) of the request measuring it (may_draft_at)
+        # load bucket -> (when, the KController) of the request measuring it (may_draft)
         self._exploring: dict[int, tuple[float, object]] = {}
         # Not a cost, but shared by the same requests: each KController's acceptance prior.
         self.pooled_acceptance = PooledAcceptance()
@@ -338,8 +338,8 @@ class CostModel:
             if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
 
-    def may_draft_at(self, sessions: float, owner: object) -> bool:
-        """Whether the request ``owner`` (its KController) may draft at a load of ``sessions``
+    def may_draft(self, owner: object) -> bool:
+        """Whether the request ``owner`` (its KController) may draft at the current load
         (draft_load): always alone, or where a steady draft cost at that load is measured (a
         step or a catch-up; a prefill alone does not tell the steps); else only the request that
         asked first, until a round measures it, the request gives its turn back
@@ -352,12 +352,13 @@ class CostModel:
         of 0.3 s against 0.05 s alone, measured only after everyone had paid them (TTFT p50
         6.0 s against 2.0 s at k = 0; auto 0.63x k = 0). One request's round measures the
         load for all the others."""
-        bucket = _load_bucket(sessions)
         with self._lock:
-            if bucket == 0 or self._in_flight <= 1:
+            load = self.draft_load()
+            if load <= 1:
                 return True
-            if self._step.value(sessions) is not None or self._catchup.value(sessions) is not None:
+            if self._step.value(load) is not None or self._catchup.value(load) is not None:
                 return True
+            bucket = _load_bucket(load)
             turn = self._exploring.get(bucket)
             if turn and turn[1] is not owner and self._clock() - turn[0] < EXPLORE_S:
                 return False
@@ -365,7 +366,7 @@ class CostModel:
             return True
 
     def release_turn(self, owner: object) -> None:
-        """Gives back the turns of may_draft_at that ``owner`` holds: its round drafted nothing
+        """Gives back the turns of may_draft that ``owner`` holds: its round drafted nothing
         after all (the draft's prefill not done yet, no draft replica), or its request ended."""
         with self._lock:
             for bucket, (_, holder) in list(self._exploring.items()):
@@ -379,7 +380,7 @@ class CostModel:
 
     def request_ended(self, owner: object | None = None) -> None:
         """A request that request_started counted has ended, however it ended; ``owner``: its
-        KController, whose turns of may_draft_at are given back."""
+        KController, whose turns of may_draft are given back."""
         if owner is not None:
             self.release_turn(owner)
         with self._lock:
@@ -735,7 +736,7 @@ class KController:
         request then starts plain, and a later probe starts the draft.
 
         Where the draft's costs at the current load are not measured yet, one request at a
-        time may draft there (CostModel.may_draft_at); the others decode plain meanwhile.
+        time may draft there (CostModel.may_draft); the others decode plain meanwhile.
         """
         cap = max(0, min(self.config.max_speculative_tokens, limit))
         if self.fixed_k is not None:
@@ -749,7 +750,7 @@ class KController:
         sessions, start_s = self.costs.batch_sessions, 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
             sessions = max(sessions, self.costs.in_flight)
-            per_token = self.costs.catchup_token_at(self.costs.draft_load())
+            per_token = self.costs.catchup_token_seconds
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
         def tokens_per_s(k: int) -> float:
@@ -760,7 +761,7 @@ class KController:
         best = max(range(cap + 1), key=tokens_per_s)
         if log.isEnabledFor(logging.DEBUG):
             self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
-        if best and not self.costs.may_draft_at(self.costs.draft_load(), self):
+        if best and not self.costs.may_draft(self):
             log.debug("k=0: another request is measuring the draft at this load")
             return RoundPlan(0)
         if not self.config.dynamic_draft_length or best == 0:
@@ -781,7 +782,7 @@ class KController:
         the verify pads to one exact width (7 on the AMX Xeon), and the token that needs a
         second forward costs a whole one (0.28 s against a 0.05 s draft step). Where the verify
         grows smoothly (float32) every token to ``cap`` can pay."""
-        step_s = self.costs.draft_step_at(self.costs.draft_load())
+        step_s = self.costs.draft_step_seconds
         verify = [self.costs.verify_seconds(k, sessions) for k in range(best, cap + 1)]
         longest = best
         while longest < cap:
@@ -818,8 +819,8 @@ class KController:
             costs.in_flight,
             draft_lag,
             start_s,
-            costs.draft_step_at(costs.draft_load()),
-            costs.catchup_at(costs.draft_load()),
+            costs.draft_step_seconds,
+            costs.catchup_seconds,
             " ".join(f"{tokens_per_s(k):.3f}" for k in range(cap + 1)),
         )
 

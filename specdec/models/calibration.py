@@ -665,11 +665,12 @@ def cost_prior(
     longer catch-up = the draft's prefill seconds per token, and a batched verify of r rows, r
     up to max_batch_size x (k_max + 1), = r rows in the exact widths. None when either side
     reported no costs."""
-    target_costs = _chosen_costs(target)
-    draft_costs = _chosen_costs(draft)
+    target_chosen, draft_chosen = _chosen(target), _chosen(draft)
+    target_costs = tuple(target_chosen.forward_s) if target_chosen else ()
+    draft_costs = tuple(draft_chosen.forward_s) if draft_chosen else ()
     if not target_costs or not draft_costs:
         return None
-    draft_prefill = next(c for c in draft.candidates if c.dtype == draft.dtype).prefill_s_per_token
+    draft_prefill = draft_chosen.prefill_s_per_token
     exact = ExactWidths(
         tuple(target.exact_widths) or tuple(range(1, len(target_costs) + 1)), target_costs
     )
@@ -685,8 +686,6 @@ def cost_prior(
     )
 
 
-def _chosen_costs(message) -> tuple[float, ...]:
-    for candidate in message.candidates:
-        if candidate.dtype == message.dtype:
-            return tuple(candidate.forward_s)
-    return ()
+def _chosen(message):
+    """The DtypeCost of the dtype a DeviceCalibration message chose; None without one."""
+    return next((c for c in message.candidates if c.dtype == message.dtype), None)
