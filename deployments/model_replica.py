@@ -57,6 +57,7 @@ class ModelReplica:
             device=device,
             max_speculative_tokens=config.speculation.max_speculative_tokens,
             exact_widths=config.models.fixed_shape_verify is not False,
+            max_batch_size=config.models.max_batch_size,
             cache=CalibrationCache.configured(config.models.calibration_cache),
         ).result()
         self._dtype = self.calibration.dtype

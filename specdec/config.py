@@ -113,7 +113,8 @@ class ModelConfig(_Section):
     """Calls a draft or target replica runs as one batch of packed forwards
     (specdec.models.packed): the calls that arrived while the previous batch ran, up to this
     many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
-    same either way."""
+    same either way. The target's start-up calibration prices its exact widths for batches up
+    to this size as well as for a lone request."""
 
     batch_prefill_s: float = 1.0
     """Seconds of prompt prefill one batch may hold beyond its first prefill, converted to
@@ -189,9 +190,10 @@ class SpeculationConfig(_Section):
 
     concurrent_prefill: bool = True
     """Prefill the draft while the target prefills (right when they run on separate devices);
-    false leaves the draft's prefill to its first round, after the first token (right when both
-    share a CPU's cores, where running both at once slows the target's prefill, the time to
-    first token, as much as it saves)."""
+    false leaves the draft's prefill to its first round, after the first token and once no
+    other request of the router waits for its own (right when both share a CPU's cores, where
+    running both at once slows the target's prefills, the time to first token, as much as it
+    saves)."""
 
     def _check(self) -> None:
         _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)

@@ -192,6 +192,7 @@ class SpeculativeEngine:
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 exact_widths=models.fixed_shape_verify is not False,
+                max_batch_size=models.max_batch_size,
                 cache=CalibrationCache.configured(models.calibration_cache),
             )
         return cls(loaded["draft"], loaded["target"], config, calibrations=calibrations)

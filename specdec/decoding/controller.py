@@ -287,6 +287,7 @@ class CostModel:
         self._batch_sessions = _WindowMedian(clock)
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
+        self._prefilling = 0  # of those, requests waiting for their first token
         self._clock = clock
         # load bucket -> (when, the KController) of the request measuring it (may_draft)
         self._exploring: dict[int, tuple[float, object]] = {}
@@ -385,6 +386,23 @@ class CostModel:
             self.release_turn(owner)
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
+
+    def prefill_started(self) -> None:
+        """A request of this engine or router began its target prefill (RoundLoop); see
+        prefills_pending."""
+        with self._lock:
+            self._prefilling += 1
+
+    def prefill_ended(self) -> None:
+        """The prefill that prefill_started counted has ended, however it ended."""
+        with self._lock:
+            self._prefilling = max(0, self._prefilling - 1)
+
+    @property
+    def prefills_pending(self) -> int:
+        """Requests of this engine or router waiting for their first token now (RoundLoop
+        starts no draft beside them where draft and target share cores)."""
+        return self._prefilling
 
     @property
     def in_flight(self) -> int:
@@ -730,10 +748,16 @@ class KController:
         for the ``limit`` + 1 tokens left, so a round of k commits E(k) tokens in
         round_seconds(k) + P x E(k) / (limit + 1). Under load P is charged B times, B the
         sessions of the batch: where draft and target share a host (the local cluster, CPU
-        nodes), the prefill's compute delays every verify of the batch. And B is max(
-        batch_sessions, in_flight): under a burst of requests the verify batches show the load
-        only a few rounds later. With several target replicas this overstates the batch; the
-        request then starts plain, and a later probe starts the draft.
+        nodes), the prefill's compute delays every verify of the batch.
+
+        The batch B a round is priced in is max(batch_sessions, in_flight): every request in
+        flight shares the target. Under a burst the verify batches show the load only a few
+        rounds later; and requests that draft fall out of step, so their verifies run in
+        smaller batches, each a forward of its own on the same device. Priced at those small
+        batches, drafting looked cheap because drafting had broken the batch up: 8 streams on
+        the AMX Xeon went from batches of 8 to 3 sessions, rounds of k = 12, and 0.76x the
+        aggregate tokens/s of k = 0. With several target replicas in_flight overstates the
+        batch, and the requests draft less than they could.
 
         Where the draft's costs at the current load are not measured yet, one request at a
         time may draft there (CostModel.may_draft); the others decode plain meanwhile.
@@ -747,9 +771,8 @@ class KController:
             log.debug("k=1: a probe after %d plain rounds", self._plain_rounds)
             return RoundPlan(min(1, cap))
         rate = self.acceptance.rate
-        sessions, start_s = self.costs.batch_sessions, 0.0
+        sessions, start_s = max(self.costs.batch_sessions, self.costs.in_flight), 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
-            sessions = max(sessions, self.costs.in_flight)
             per_token = self.costs.catchup_token_seconds
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
 

@@ -10,8 +10,9 @@ each candidate dtype,
 - ``forward_s[w - 1]``: the seconds of one forward over w positions extending a cache of
   CACHE_TOKENS positions, w = 1 .. max_width, and the prefill cost per prompt token;
 - for the target, which widths give bitwise the same row results as each other
-  (specdec.models.fixed_shape.measure_width_classes), the class whose forwards cover 1 ..
-  k_max + 1 rows cheapest, and a whole-model check of it;
+  (specdec.models.fixed_shape.measure_width_classes), the class whose forwards cover a
+  lone request's 1 .. k_max + 1 rows and batches of up to max_batch_size sessions cheapest,
+  and a whole-model check of it;
 
 and ``dtype: auto`` keeps the candidate whose predicted request time is lowest
 (predicted_request_seconds), among those with an exact class for the target. The verifier pads
@@ -199,11 +200,12 @@ def load_calibrated(
     device: str = "cpu",
     max_speculative_tokens: int,
     exact_widths: bool = True,
+    max_batch_size: int = 1,
     cache: CalibrationCache | None = None,
 ) -> tuple[LoadedModel, Calibration]:
     """Loads a model (specdec.models.loading.load_model) and calibrates it: in ``dtype``, or,
     for ``dtype="auto"``, in the fastest of candidate_dtypes(role, device) (loaded in float32,
-    each candidate a cast of it). ``exact_widths`` as for calibrate.
+    each candidate a cast of it). ``exact_widths`` and ``max_batch_size`` as for calibrate.
 
     With a ``cache`` (specdec.models.calibration_cache), a calibration made before for the same
     architecture, settings and device is reused instead of measured (minutes on a CPU), once
@@ -216,24 +218,28 @@ def load_calibrated(
     """
     automatic = dtype == AUTO
     dtypes = candidate_dtypes(role, device) if automatic else [dtype]
-    loaded = load_model(
-        spec, dtype="float32" if automatic else split_candidate(dtype)[0], device=device
-    )
-    key = cache and cache.key(
-        loaded.model,
-        role,
-        dtypes,
-        device=device,
-        max_speculative_tokens=max_speculative_tokens,
-        exact_widths=exact_widths,
-    )
+    if role != "target":
+        max_batch_size = 1  # only a target's widths are priced for batches
 
     def from_cache() -> tuple[Calibration | None, tuple[LoadedModel, Calibration] | None]:
         """(the stored entry or None, the model with it if it passes the exactness check)."""
         stored = cache.load(key) if cache else None
         return stored, stored and _reuse(loaded, role, stored, max_speculative_tokens, exact_widths)
 
-    stored, result = from_cache()
+    with _while_none_measures(device):
+        loaded = load_model(
+            spec, dtype="float32" if automatic else split_candidate(dtype)[0], device=device
+        )
+        key = cache and cache.key(
+            loaded.model,
+            role,
+            dtypes,
+            device=device,
+            max_speculative_tokens=max_speculative_tokens,
+            exact_widths=exact_widths,
+            max_batch_size=max_batch_size,
+        )
+        stored, result = from_cache()
     if not result:
         with _one_at_a_time(device):
             if stored is None:
@@ -248,6 +254,7 @@ def load_calibrated(
                     max_speculative_tokens=max_speculative_tokens,
                     automatic=automatic,
                     exact_widths=exact_widths,
+                    max_batch_size=max_batch_size,
                 )
                 if cache:
                     cache.save(key, result[1])
@@ -310,9 +317,28 @@ def _return_freed_memory() -> None:
 
 @contextlib.contextmanager
 def _one_at_a_time(device: str | torch.device) -> Iterator[None]:
-    """Holds a host-wide lock while a CPU replica measures: replicas sharing the cores (a local
-    cluster) measured each other's load otherwise, and the bundled target picked bfloat16 in
-    one run and float32 in the next on the same machine. GPUs measure on their own device."""
+    """Holds the host-wide lock exclusively while a CPU replica measures: replicas sharing the
+    cores (a local cluster) measured each other's load otherwise, and the bundled target picked
+    bfloat16 in one run and float32 in the next on the same machine. GPUs measure on their own
+    device."""
+    with _host_lock(device, exclusive=True):
+        yield
+
+
+@contextlib.contextmanager
+def _while_none_measures(device: str | torch.device) -> Iterator[None]:
+    """Holds the host-wide lock shared while a CPU replica loads its model and checks a stored
+    calibration: several may do that at once, but not while one measures (_one_at_a_time).
+    Measured need: the bundled draft's int8 step timed 0.29 s (0.04 s alone) while the
+    target loaded beside it, and the draft replica chose bfloat16 (0.10 s a step)."""
+    with _host_lock(device, exclusive=False):
+        yield
+
+
+@contextlib.contextmanager
+def _host_lock(device: str | torch.device, *, exclusive: bool) -> Iterator[None]:
+    """flock on one file in the temp folder: a readers-writer lock among this host's
+    processes (a no-op for GPUs and where fcntl is missing)."""
     if torch.device(device).type != "cpu":
         yield
         return
@@ -323,7 +349,7 @@ def _one_at_a_time(device: str | torch.device) -> Iterator[None]:
         return
     path = os.path.join(tempfile.gettempdir(), "specdec-calibration.lock")
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield
         finally:
@@ -338,6 +364,7 @@ def calibrate(
     max_speculative_tokens: int,
     automatic: bool,
     exact_widths: bool = True,
+    max_batch_size: int = 1,
 ) -> tuple[LoadedModel, Calibration]:
     """Measures ``loaded`` in each dtype and returns it in the fastest exact one.
 
@@ -352,6 +379,9 @@ def calibrate(
         exact_widths: measure a target's exact widths (and switch it to row-wise attention);
             False when the verifier will not pad (fixed_shape_verify: false): start-up is
             shorter and every candidate counts.
+        max_batch_size: the most sessions one batched forward of the replica holds
+            (models.max_batch_size); a target's exact widths are priced at loads up to it
+            (_seconds_per_token).
     Returns:
         (the model in the chosen dtype, Calibration). The log says what was measured.
     Raises:
@@ -382,6 +412,7 @@ def calibrate(
             exact_widths=needs_exact,
             max_width=max_width,
             best=best,
+            max_batch_size=max_batch_size,
         )
         measured = dataclasses.replace(
             measured,
@@ -490,6 +521,7 @@ def _measure(
     exact_widths: bool,
     max_width: int,
     best: DtypeMeasurement | None,
+    max_batch_size: int = 1,
 ) -> DtypeMeasurement:
     generator = torch.Generator().manual_seed(0)
     device = model.device
@@ -515,7 +547,7 @@ def _measure(
     optimistic = _optimistic_s(measured, max_width, target, exact_widths)
     if exact_widths and not cut and (best is None or optimistic < best.predicted_s):
         half = split_candidate(dtype)[0] in HALF_DTYPES
-        exact = _exact_widths(model, vocab_size, costs, max_width, generator, half)
+        exact = _exact_widths(model, vocab_size, costs, max_width, generator, half, max_batch_size)
         measured = dataclasses.replace(measured, exact=exact)
     return measured
 
@@ -610,10 +642,12 @@ def _exact_widths(
     max_width: int,
     generator: torch.Generator,
     half: bool,
+    max_batch_size: int = 1,
 ) -> ExactWidths | None:
-    """The width class with the lowest _seconds_per_token that also passes
-    the whole-model check (a class of the linear layers' measurement, or one width of such a
-    class alone, since other operators may still tell widths apart); None when none does."""
+    """The width class with the lowest _seconds_per_token (at loads up to ``max_batch_size``
+    sessions) that also passes the whole-model check (a class of the linear layers'
+    measurement, or one width of such a class alone, since other operators may still tell
+    widths apart); None when none does."""
     classes = measure_width_classes(model, max_width, generator=generator)
     singles = [(w,) for c in classes for w in c if len(c) > 1 or half]
     if half:
@@ -624,7 +658,7 @@ def _exact_widths(
     k_max = max_width - 1 - EXTRA_WIDTHS
     options = sorted(
         (ExactWidths(tuple(widths), tuple(costs)) for widths in [*classes, *singles]),
-        key=lambda e: _seconds_per_token(e, k_max),
+        key=lambda e: _seconds_per_token(e, k_max, max_batch_size),
     )
     for option in options:
         if whole_forward_exact(model, vocab_size, option.widths, generator):
@@ -634,16 +668,37 @@ def _exact_widths(
     return None
 
 
-def _seconds_per_token(exact: ExactWidths, k_max: int) -> float:
-    """Mean over CLASS_ACCEPTANCES of the seconds per token at the best fixed k: a class must
-    serve plain decoding (acceptance 0: one row per token, padded) as well as long drafts. A
-    measured case: the bundled target in float32 costs 0.26 s at 1-2 rows and 0.61 s at 16,
+def _seconds_per_token(exact: ExactWidths, k_max: int, max_batch_size: int = 1) -> float:
+    """Mean over CLASS_ACCEPTANCES and the loads of _batch_loads(max_batch_size) of the seconds
+    per token at the best fixed k, s sessions of k + 1 rows sharing the forwards: a class must
+    serve plain decoding (acceptance 0: one row per token, padded) as well as long drafts, and
+    a lone request as well as a full batch.
+
+    Measured cases: the bundled target in float32 costs 0.26 s at 1-2 rows and 0.61 s at 16,
     and a class of widths 16-17 alone, cheapest for 13-row verifies, made every plain step
-    cost 2.4x."""
-    return sum(
-        min(exact.rows_seconds(k + 1) / expected_tokens(acceptance, k) for k in range(k_max + 1))
-        for acceptance in CLASS_ACCEPTANCES
-    ) / len(CLASS_ACCEPTANCES)
+    cost 2.4x. In bfloat16 on the AMX Xeon (one exact width: 193 ms at 1 row, 192 at 7, 204
+    at 12, 227 at 17), priced alone the width was 7; then 4 sessions at k = 3 took three
+    forwards, and 4 streams ran auto at 1.01x k = 0 (7.8 against 7.7 tokens/s). Priced at
+    loads 1-8 it is 12 or 13, as the start-up's timings fall; set to 12, 4 streams ran auto at
+    1.39x k = 0 (10.4 against 7.5), one stream 3.2 tokens/s at k = 0 against 3.4 and 8.4 with
+    auto against 7.9 (specdec sweep, README "Under load")."""
+    loads = _batch_loads(max_batch_size)
+    total = 0.0
+    for sessions in loads:
+        for acceptance in CLASS_ACCEPTANCES:
+            total += min(
+                exact.rows_seconds(sessions * (k + 1)) / (sessions * expected_tokens(acceptance, k))
+                for k in range(k_max + 1)
+            )
+    return total / (len(loads) * len(CLASS_ACCEPTANCES))
+
+
+def _batch_loads(max_batch_size: int) -> list[int]:
+    """The sessions per batch a width is priced at: 1, the powers of two below
+    ``max_batch_size``, and max_batch_size itself."""
+    loads = {1, max(max_batch_size, 1)}
+    loads.update(2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size)
+    return sorted(loads)
 
 
 def _timed(device: torch.device, fn) -> float:

@@ -5,10 +5,10 @@ What a calibration finds is a property of the model's architecture on a device: 
 width and the widths whose rows agree bitwise depend on the layer shapes, the dtype and the
 kernels that run them, not on the weights' values. The key therefore holds the architecture
 (the model config), the settings that shape the measurement (role, candidate dtypes, k_max,
-exact widths on or off), the device as describe_device words it (CPU model, ISA flags, the
-kernel level PyTorch dispatches to, oneDNN's ISA cap, threads), the torch and transformers
-versions, the measurement's constants and FORMAT. Anything else that changes what a
-measurement means must bump FORMAT.
+exact widths on or off, the batch size a target's widths are priced for), the device as
+describe_device words it (CPU model, ISA flags, the kernel level PyTorch dispatches to,
+oneDNN's ISA cap, threads), the torch and transformers versions, the measurement's constants
+and FORMAT. Anything else that changes what a measurement means must bump FORMAT.
 
 A reused calibration still checks its exact widths on the loaded model before it is trusted
 (specdec.models.calibration.load_calibrated): exactness is the product, timings only a choice.
@@ -81,6 +81,7 @@ class CalibrationCache:
         device: str | torch.device,
         max_speculative_tokens: int,
         exact_widths: bool,
+        max_batch_size: int = 1,
     ) -> str:
         """The hex SHA-256 naming what decides a calibration of ``model`` (see the module)."""
         architecture = {
@@ -96,6 +97,7 @@ class CalibrationCache:
             "dtypes": list(dtypes),
             "max_speculative_tokens": max_speculative_tokens,
             "exact_widths": exact_widths,
+            "max_batch_size": max_batch_size,
             "device": describe_device(device),
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -48,6 +48,7 @@ class TargetVerifier(SessionModel):
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 automatic=False,
                 exact_widths=config.models.fixed_shape_verify is not False,
+                max_batch_size=config.models.max_batch_size,
             )
         super().__init__(loaded, config, calibration)
         self.exact: ExactWidths | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 
 import pytest
 import torch
@@ -90,6 +91,31 @@ def test_a_replica_that_waited_for_the_lock_reuses_what_the_other_stored(
     assert second.reused and dataclasses.replace(second, reused=False) == first
 
 
+def test_a_replica_loads_beside_others_but_never_while_one_measures(tmp_path, monkeypatch):
+    """Loading a model and checking a stored calibration take the cores for seconds: replicas
+    may do it together (a shared hold of the host's lock), but only once no replica on the host
+    is measuring (an exclusive hold), whose timings it would otherwise slow."""
+    monkeypatch.setattr(calibration.tempfile, "gettempdir", lambda: str(tmp_path))
+    loaded = threading.Event()
+
+    def load() -> None:
+        with calibration._while_none_measures("cpu"):
+            loaded.set()
+
+    with calibration._while_none_measures("cpu"):
+        other = threading.Thread(target=load)
+        other.start()
+        assert loaded.wait(10), "a second load waited for the first"
+    other.join()
+    loaded.clear()
+    with calibration._one_at_a_time("cpu"):
+        other = threading.Thread(target=load)
+        other.start()
+        assert not loaded.wait(0.5), "a load ran while a replica measured"
+    assert loaded.wait(10)
+    other.join()
+
+
 def test_an_automatic_choice_is_reused_in_its_dtype(tiny_pair, tmp_path, measurements):
     cache = CalibrationCache(tmp_path)
     _, measured = _load(tiny_pair[0], cache, role="draft", dtype="auto")
@@ -142,9 +168,13 @@ def test_the_key_holds_what_decides_a_calibration(tiny_pair, tmp_path, monkeypat
         )  # fmt: skip
 
     base = key()
-    assert (
-        len({base, key(role="draft"), key(dtypes=["bfloat16"]), key(max_speculative_tokens=4)}) == 4
-    )
+    changed = [
+        key(role="draft"),
+        key(dtypes=["bfloat16"]),
+        key(max_speculative_tokens=4),
+        key(max_batch_size=8),  # the widths are priced for batches of up to 8 sessions
+    ]
+    assert len({base, *changed}) == 5
     # Other weights, same architecture: the same calibration (costs and roundings follow shapes).
     other_dir = save_pair(tmp_path / "other", noise=0.05, pad_vocab=7, seed=5)[1]
     assert cache.key(

@@ -83,3 +83,37 @@ def test_a_half_precision_target_is_priced_at_its_best_single_width():
     assert calibration._optimistic_s(half, max_width, target=False, exact_widths=True) == (
         calibration.predicted_request_seconds(half, k_max, False)
     )
+
+
+# The bundled target in bfloat16 on the 2-core AMX Xeon: ms of one forward of w positions over a
+# 200-token cache, minimum of 8 (every one of these widths exact on its own there).
+AMX_BFLOAT16_MS = {1: 193, 4: 185, 7: 192, 8: 196, 10: 203, 12: 204, 14: 211, 17: 227}
+
+
+def test_one_exact_width_is_priced_for_the_batches_the_replica_runs():
+    """A half-precision target gets one exact width. Priced for a lone request alone, a flat
+    cost curve picks a narrow width (fewer padded rows per plain step); priced at loads up to
+    max_batch_size sessions, a width that holds a full batch's plain rows and a few sessions'
+    drafts in one forward, not three."""
+    k_max = 12
+    known = sorted(AMX_BFLOAT16_MS)
+    costs = calibration._interpolated(
+        {w: AMX_BFLOAT16_MS[w] / 1000 for w in known}, k_max + 1 + calibration.EXTRA_WIDTHS
+    )
+
+    def best_width(max_batch_size: int) -> int:
+        return min(
+            range(1, len(costs) + 1),
+            key=lambda w: calibration._seconds_per_token(
+                calibration.ExactWidths((w,), tuple(costs)), k_max, max_batch_size
+            ),
+        )
+
+    assert calibration._batch_loads(1) == [1]
+    assert calibration._batch_loads(8) == [1, 2, 4, 8]
+    assert calibration._batch_loads(6) == [1, 2, 4, 6]
+    lone, batched = best_width(1), best_width(8)
+    assert lone < 8  # 8 plain rows take two forwards
+    assert batched >= 8
+    one = calibration.ExactWidths((lone,), tuple(costs))
+    assert one.rows_seconds(8) == pytest.approx(2 * costs[lone - 1])

@@ -408,13 +408,34 @@ def test_a_draft_starts_priced_at_the_requests_in_flight_under_a_burst():
         costs.request_started()
     assert costs.in_flight == 8
     assert controller.choose(limit=1000, draft_lag=100).k == 0  # no prefill for nothing
-    # A draft already caught up keeps the batches' own measure (it has nothing to buy).
-    assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
+    # A draft already caught up has nothing to buy, but its round is priced in the same batch
+    # of the 8 requests in flight (the next test), where k = 1 takes two forwards.
+    assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k == 0
     for _ in range(8):
         costs.request_ended()
     costs.request_ended()  # an extra end never counts below zero
     assert costs.in_flight == 0
     assert controller.choose(limit=1000, draft_lag=100).k > 0
+
+
+def test_a_round_is_priced_in_a_batch_of_every_request_in_flight():
+    # Rows up to 8 cost one forward. 8 requests are in flight, but the verifies lately ran in
+    # batches of 3 sessions (requests that draft fall out of step). Priced at 3 sessions, k = 1
+    # (6 rows) rides on one forward and drafting pays; but the other 5 sessions' verifies are
+    # forwards on the same target, and priced at the 8 it serves, k = 1 takes two forwards.
+    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
+    for _ in range(8):
+        costs.request_started()
+    for _ in range(5):
+        costs.observe(0, _batched_round(0, sessions=3, verify_s=0.2))
+    assert costs.batch_sessions == 3
+    assert costs.round_seconds(1, 3) == costs.round_seconds(0, 3) + costs.draft_seconds(1)
+    assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k == 0
+    for _ in range(5):
+        costs.request_ended()
+    assert costs.in_flight == 3  # now the batches of 3 are the load
+    assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
 
 
 def test_a_draft_prefill_is_charged_to_the_batch_it_delays():

@@ -4,6 +4,7 @@ draft's catch-up apart from its steps, rebuilt rounds flagged, prompt_len on eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -197,3 +198,54 @@ def test_the_draft_lag_counts_only_tokens_the_drafts_cache_lacks(engine, monkeyp
     # lags[0] is the first round's (the draft's prefill runs apart); every later round follows
     # a speculative one.
     assert lags[1:] and max(lags[1:]) <= CATCHUP_STEADY_TOKENS, lags
+
+
+class _FirstTokenAt:
+    """Wraps the engine's transport: another request (counted on ``costs``) waits for its first
+    token until this request's ``release_after``-th verify; records the k of each proposal."""
+
+    def __init__(self, inner, costs: CostModel, release_after: int) -> None:
+        self.inner, self.costs, self.release_after = inner, costs, release_after
+        self.verifies = 0
+        self.proposals: list[tuple[int, int]] = []  # (verifies so far, k asked)
+        costs.prefill_started()
+
+    async def propose(self, request):
+        self.proposals.append((self.verifies, request.num_speculative_tokens))
+        return await self.inner.propose(request)
+
+    async def verify(self, request):
+        response = await self.inner.verify(request)
+        self.verifies += 1
+        if self.verifies == self.release_after:
+            self.costs.prefill_ended()
+        return response
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+
+@pytest.mark.parametrize("concurrent_prefill", [False, True])
+def test_no_draft_starts_beside_another_requests_prefill_where_they_share_cores(
+    engine, concurrent_prefill
+):
+    """concurrent_prefill false: the draft's first call (its prefill) waits until no other
+    request waits for its first token; true (separate devices): it starts at once."""
+    config = dataclasses.replace(engine.config.speculation, concurrent_prefill=concurrent_prefill)
+    costs = CostModel(config)
+    transport = _FirstTokenAt(engine.transport, costs, release_after=4)
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[1])
+    request = prepare_request(prompt_ids, SamplingParams(max_new_tokens=24), engine.limits, K)
+    completion = asyncio.run(
+        RoundLoop(transport, engine.tokenizer, request, costs, config).complete()
+    )
+    drafting = [verifies for verifies, k in transport.proposals if k > 0]
+    assert drafting, "the request never drafted"
+    if concurrent_prefill:
+        assert transport.proposals[0][1] == 0  # the draft's prefill, beside the target's
+        assert drafting[0] == 1  # the first round
+    else:
+        assert drafting[0] == 4  # the first round after the other's first token
+    assert costs.prefills_pending == 0
+    alone = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=24), 0)
+    assert completion.token_ids == alone.token_ids
