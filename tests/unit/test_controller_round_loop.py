@@ -19,12 +19,23 @@ DRAFT_MISS_CALL = 3  # the draft's prefill, round 1, then round 2 finds its cach
 TARGET_MISS_CALL = 4  # the target's prefill, rounds 1 and 2, then round 3
 
 
-class _Recording:
+class _Wrapped:
+    """A transport that passes every call to ``inner`` (the engine's); the wrappers below record
+    or change what they need and release through it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+
+class _Recording(_Wrapped):
     """Wraps the engine's transport: records each call and drops a side's session cache before
     its n-th call, as an LRU eviction or a replica restart would."""
 
     def __init__(self, inner) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.calls: dict[str, list] = {"draft": [], "target": []}
 
     async def propose(self, request):
@@ -36,9 +47,6 @@ class _Recording:
     async def verify(self, request):
         self._before("target", request, self.inner.verifier, TARGET_MISS_CALL)
         return await self.inner.verify(request)
-
-    async def release(self, session_id):
-        await self.inner.release(session_id)
 
     def _before(self, side, request, model, miss_call) -> None:
         session = request.session
@@ -131,11 +139,11 @@ def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
     assert costs.in_flight == 0
 
 
-class _Rounds:
+class _Rounds(_Wrapped):
     """Wraps the engine's transport: pairs each round's proposal with its verify's answer."""
 
     def __init__(self, inner) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rounds: list[tuple] = []  # (ProposeResponse, VerifyResponse)
         self._proposal = None
 
@@ -150,9 +158,6 @@ class _Rounds:
         if request.draft_token_ids:
             self.rounds.append((self._proposal, response))
         return response
-
-    async def release(self, session_id):
-        await self.inner.release(session_id)
 
 
 def test_the_drafts_confidences_reach_the_controllers_calibration(engine):
@@ -200,12 +205,13 @@ def test_the_draft_lag_counts_only_tokens_the_drafts_cache_lacks(engine, monkeyp
     assert lags[1:] and max(lags[1:]) <= CATCHUP_STEADY_TOKENS, lags
 
 
-class _FirstTokenAt:
+class _FirstTokenAt(_Wrapped):
     """Wraps the engine's transport: another request (counted on ``costs``) waits for its first
     token until this request's ``release_after``-th verify; records the k of each proposal."""
 
     def __init__(self, inner, costs: CostModel, release_after: int) -> None:
-        self.inner, self.costs, self.release_after = inner, costs, release_after
+        super().__init__(inner)
+        self.costs, self.release_after = costs, release_after
         self.verifies = 0
         self.proposals: list[tuple[int, int]] = []  # (verifies so far, k asked)
         costs.prefill_started()
@@ -220,9 +226,6 @@ class _FirstTokenAt:
         if self.verifies == self.release_after:
             self.costs.prefill_ended()
         return response
-
-    async def release(self, session_id):
-        await self.inner.release(session_id)
 
 
 @pytest.mark.parametrize("concurrent_prefill", [False, True])
