@@ -27,9 +27,7 @@ its wait in the batch queues).
 Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
 replicas' start-up calibration) stands in for it. The draft's costs are kept by load (requests
 in flight); a load not yet measured costs at least what lighter ones measured, and only one
-request at a time drafts there until a round has measured it (CostModel.may_draft). Where draft
-and target share cores, that round measures no draft step if another request's target call ran
-beside its draft: it timed the two fighting over the cores while the others were held plain.
+request at a time drafts there until a round has measured it (CostModel.may_draft).
 
 Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
@@ -180,8 +178,6 @@ class RoundTiming:
             committed sequence, so the side rebuilt the session in this round.
         batch_sessions, batch_rows: the sessions that shared the verify's batch (this one
             included) and their rows (0: not reported, a lone verify).
-        draft_contended: a target call of another request of this engine or router ran during
-            the draft's call (CostModel.target_mark).
     """
 
     verify_s: float
@@ -193,7 +189,6 @@ class RoundTiming:
     target_rebuilt: bool = False
     batch_sessions: int = 0
     batch_rows: int = 0
-    draft_contended: bool = False
 
 
 class _WindowMedian:
@@ -292,10 +287,6 @@ class CostModel:
         self._batch_sessions = _WindowMedian(clock)
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
-        self._shared_cores = not config.concurrent_prefill
-        self._contended = _ByLoad(clock)  # draft seconds of rounds measuring alone (may_draft)
-        self._target_running: set[int] = set()  # target calls running now (target_mark)
-        self._target_calls = 0  # target calls started ever, each one's id
         self._prefilling = 0  # of those, requests waiting for their first token
         self._clock = clock
         # load bucket -> (when, the KController) of the request measuring it (may_draft)
@@ -310,9 +301,8 @@ class CostModel:
             self._prior = prior
             self._prior_verify = prior.verify_table(len(self._verify) - 1)
 
-    def observe(self, k: int, timing: RoundTiming, owner: object | None = None) -> None:
-        """Records one decode round that drafted k tokens (after any confidence stop), of the
-        request ``owner`` (its KController; None: unknown).
+    def observe(self, k: int, timing: RoundTiming) -> None:
+        """Records one decode round that drafted k tokens (after any confidence stop).
 
         Draft steps: (draft_s - catchup_s) / (k - 1), from rounds with k >= 2 (a rebuilt draft
         included: its rebuild is all in the catch-up). Catch-up: from k >= 1 rounds whose
@@ -321,26 +311,16 @@ class CostModel:
         Orchestration: from rounds of a request alone on this engine or router (no batch, no
         other request in flight) in which no side rebuilt. The draft's costs
         are kept for the load the round ran at (draft_load, LOAD_BUCKETS).
-
-        The round that measures a load for may_draft, where draft and target share cores
-        (concurrent_prefill false) and another request's target call ran during its draft
-        call (timing.draft_contended), measures no draft step or steady catch-up: it drafted
-        alone because may_draft held the others to plain decoding, so it timed the two sides
-        fighting over the cores, a cost no request pays once they draft in step. At 4 streams
-        on the AMX Xeon it timed a step of 0.31 s against 0.044 s in a batch alone, and every
-        request then decoded plain for 30 s (335 of 382 choices at acceptance 0.95; auto 1.16x
-        k = 0, fixed k = 4 1.25x). It still measures the load for may_draft, and its catch-up,
-        when long, still prices a draft's start. Later contended rounds count as measured:
-        ignoring all of them, 8 streams drafted out of step at the lone price (auto 0.69-0.82x
-        k = 0).
         """
         with self._lock:
             load = self.draft_load()
-            held = k >= 1 and timing.draft_contended and self._shared_cores
-            held = held and self._measures_alone(owner, load)
-            if held:
-                self._contended.add(timing.draft_s, load)
-            self._observe_draft(k, timing, load, in_step=not held)
+            if k >= 2:
+                self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
+            steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
+            if k >= 1 and steady_catchup and not timing.draft_rebuilt:
+                self._catchup.add(timing.catchup_s, load)
+            elif k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
+                self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
             self._batch_sessions.add(max(timing.batch_sessions, 1))
             prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
             batched = timing.batch_sessions > 1 and prior_s is not None
@@ -358,19 +338,6 @@ class CostModel:
             lone = timing.batch_sessions <= 1 and self._in_flight <= 1
             if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
                 self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
-
-    def _observe_draft(self, k: int, timing: RoundTiming, load: int, in_step: bool) -> None:
-        """The draft's costs of a round that drafted k tokens; ``in_step`` false: only a
-        long catch-up (a draft's start), which a request pays alone however the others run."""
-        if k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
-            self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
-        if not in_step:
-            return
-        if k >= 2:
-            self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
-        steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
-        if k >= 1 and steady_catchup and not timing.draft_rebuilt:
-            self._catchup.add(timing.catchup_s, load)
 
     def may_draft(self, owner: object) -> bool:
         """Whether the request ``owner`` (its KController) may draft at the current load
@@ -390,7 +357,7 @@ class CostModel:
             load = self.draft_load()
             if load <= 1:
                 return True
-            if self._measured(load):
+            if self._step.value(load) is not None or self._catchup.value(load) is not None:
                 return True
             bucket = _load_bucket(load)
             turn = self._exploring.get(bucket)
@@ -398,18 +365,6 @@ class CostModel:
                 return False
             self._exploring[bucket] = (self._clock(), owner)
             return True
-
-    def _measured(self, load: int) -> bool:
-        """Whether a round measured the draft at ``load`` lately (may_draft)."""
-        return any(c.value(load) is not None for c in (self._step, self._catchup, self._contended))
-
-    def _measures_alone(self, owner: object | None, load: int) -> bool:
-        """Whether ``owner`` holds may_draft's turn at ``load``, not yet measured: the others
-        decode plain meanwhile."""
-        turn = self._exploring.get(_load_bucket(load))
-        return (
-            owner is not None and turn is not None and turn[1] is owner and not self._measured(load)
-        )
 
     def release_turn(self, owner: object) -> None:
         """Gives back the turns of may_draft that ``owner`` holds: its round drafted nothing
@@ -442,33 +397,6 @@ class CostModel:
         """The prefill that prefill_started counted has ended, however it ended."""
         with self._lock:
             self._prefilling = max(0, self._prefilling - 1)
-
-    def target_started(self) -> int:
-        """A target call (prefill or verify) of a request of this engine or router began;
-        returns its id for target_ended."""
-        with self._lock:
-            self._target_calls += 1
-            self._target_running.add(self._target_calls)
-            return self._target_calls
-
-    def target_ended(self, call: int) -> None:
-        """The target call ``call`` (target_started's id) has ended, however it ended."""
-        with self._lock:
-            self._target_running.discard(call)
-
-    def target_mark(self) -> tuple[frozenset[int], int]:
-        """The target calls running now and the last call's id: for target_ran_since."""
-        with self._lock:
-            return frozenset(self._target_running), self._target_calls
-
-    def target_ran_since(self, mark: tuple[frozenset[int], int]) -> bool:
-        """Whether a target call overlapped the time since ``mark`` (target_mark): one started
-        after it, or one running then is running still. A call running at the mark that has
-        ended since does not count: in a batch that ended, one request's next draft call can
-        start before the router has seen its neighbours' responses."""
-        with self._lock:
-            running, last = mark
-            return self._target_calls != last or not running.isdisjoint(self._target_running)
 
     @property
     def prefills_pending(self) -> int:
@@ -949,7 +877,7 @@ class KController:
         self.acceptance.observe(k, num_accepted)
         self.costs.pooled_acceptance.observe(k, num_accepted)
         self.confidence.observe(confidences, num_accepted)
-        self.costs.observe(k, timing, self)
+        self.costs.observe(k, timing)
 
 
 def _interpolate(table: list[float | None], k: int) -> float:

@@ -190,13 +190,10 @@ class RoundLoop:
         start = time.perf_counter()
         proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
         without_draft = plan.k > 0 and not self._draft.available()
-        costs = self._controller.costs
-        mark = costs.target_mark()
         if plan.k > 0 and not without_draft:
             proposal, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
             without_draft = proposal is None
             proposal = proposal or worker_pb2.ProposeResponse()
-        contended = costs.target_ran_since(mark)
         q = proposal.q if proposal.HasField("q") else None
         drafts = list(proposal.token_ids)
         verified, target_rebuilt = await self._verify(drafts, q)
@@ -210,7 +207,6 @@ class RoundLoop:
             target_rebuilt=target_rebuilt,
             batch_sessions=verified.batch_sessions,
             batch_rows=verified.batch_rows,
-            draft_contended=contended,
         )
         drafted, accepted = len(drafts), verified.num_accepted
         if drafted:
@@ -257,12 +253,7 @@ class RoundLoop:
         request = worker_pb2.VerifyRequest(draft_token_ids=drafts, sampling=self._sampling)
         if q is not None:
             request.q.CopyFrom(q)
-        costs = self._controller.costs
-        call = costs.target_started()  # drafts beside it are contended (RoundTiming)
-        try:
-            return await self._call("target", self._transport.verify, request)
-        finally:
-            costs.target_ended(call)
+        return await self._call("target", self._transport.verify, request)
 
     async def _call(self, side: str, method, request) -> tuple:
         """Sends the tokens committed since the side's last call; on a cache miss, resends the

@@ -654,42 +654,6 @@ def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
     assert [c.choose(limit=1000).k > 0 for c in controllers] == [True, True]
 
 
-@pytest.mark.parametrize("concurrent_prefill", [False, True])
-def test_the_round_measuring_a_load_alone_beside_the_others_verifies_prices_no_step(
-    concurrent_prefill,
-):
-    # 4 requests in flight; the one measuring the load drafts while may_draft holds the other 3
-    # to plain decoding, so on shared cores its steps cost 7x those of a batch drafting in
-    # step. That round must not set the price; it still measures the load. Later contended
-    # rounds count (then requests draft out of step by their own choice). On separate devices
-    # (concurrent_prefill true) nothing competed: the first sample is the load's cost.
-    config = dataclasses.replace(_config(), concurrent_prefill=concurrent_prefill)
-    costs = CostModel(config, _batch_prior(flat_rows=64))
-    _with_in_flight(costs, 4)
-    first, *others = [KController(costs, config, acceptance=_FixedRate(0.95)) for _ in range(4)]
-    assert first.choose(limit=1000).k > 0
-    assert [c.choose(limit=1000).k for c in others] == [0, 0, 0]  # one measures the load
-    contended = RoundTiming(**{**_scaled_round(4, 7).__dict__, "draft_contended": True})
-    first.observe(4, 4, contended)
-    if concurrent_prefill:
-        assert costs.draft_step_seconds == pytest.approx(7 * STEP_S)
-        return
-    assert costs.draft_step_seconds == pytest.approx(STEP_S)  # the lone calibration's
-    assert costs.catchup_seconds == pytest.approx(CATCHUP_S)
-    assert all(c.choose(limit=1000).k > 0 for c in others)  # measured: no turn to wait for
-    others[0].observe(4, 4, contended)  # drafting out of step, by choice: a real cost
-    assert costs.draft_step_seconds == pytest.approx(7 * STEP_S)
-    # A draft's start (its catch-up over the prompt) is never in step: measured alone and
-    # contended, it still prices the starts.
-    fresh = CostModel(config, _batch_prior(flat_rows=64))
-    _with_in_flight(fresh, 4)
-    explorer = KController(fresh, config, acceptance=_FixedRate(0.95))
-    assert explorer.choose(limit=1000).k > 0
-    start = _round(1, catchup_s=1.0, catchup_tokens=100)
-    explorer.observe(1, 1, RoundTiming(**{**start.__dict__, "draft_contended": True}))
-    assert fresh.catchup_token_seconds == pytest.approx(0.01)
-
-
 def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
     controller = KController(_measured(), _config())
     controller.acceptance.observe(8, 8)  # a high acceptance: speculation pays

@@ -66,9 +66,9 @@ class _SpyCosts(CostModel):
         super().__init__(config)
         self.rounds: list[tuple[int, RoundTiming]] = []
 
-    def observe(self, k: int, timing: RoundTiming, owner=None) -> None:
+    def observe(self, k: int, timing: RoundTiming) -> None:
         self.rounds.append((k, timing))
-        super().observe(k, timing, owner)
+        super().observe(k, timing)
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +126,9 @@ def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
     seen = []
 
     class _Counting(_SpyCosts):
-        def observe(self, k, timing, owner=None):
+        def observe(self, k, timing):
             seen.append(self.in_flight)
-            super().observe(k, timing, owner)
+            super().observe(k, timing)
 
     costs = _Counting(engine.config.speculation)
     prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
@@ -252,47 +252,3 @@ def test_no_draft_starts_beside_another_requests_prefill_where_they_share_cores(
     assert costs.prefills_pending == 0
     alone = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=24), 0)
     assert completion.token_ids == alone.token_ids
-
-
-class _Neighbour(_Wrapped):
-    """Wraps the engine's transport with another request's target calls: one that starts
-    during the ``during``-th draft call, and one that starts after a verify and ends as the
-    ``seen_late``-th draft call begins (a batch both shared, whose other response the router
-    handles after this request has asked its draft)."""
-
-    def __init__(self, inner, costs: CostModel, during: int, seen_late: int) -> None:
-        super().__init__(inner)
-        self.costs, self.during, self.seen_late = costs, during, seen_late
-        self.proposals = 0
-        self._late: int | None = None
-
-    async def propose(self, request):
-        self.proposals += 1
-        if self._late is not None:
-            self.costs.target_ended(self._late)
-            self._late = None
-        response = await self.inner.propose(request)
-        if self.proposals == self.during:
-            self.costs.target_ended(self.costs.target_started())
-        return response
-
-    async def verify(self, request):
-        response = await self.inner.verify(request)
-        if self.proposals + 1 == self.seen_late:
-            self._late = self.costs.target_started()
-        return response
-
-
-def test_a_draft_call_is_contended_when_another_target_call_overlaps_it(engine):
-    """RoundTiming.draft_contended: set when another request's target call starts during the
-    draft's call, not for one that ended as the call began, nor for the request's own."""
-    config = dataclasses.replace(engine.config.speculation, concurrent_prefill=False)
-    costs = _SpyCosts(config)
-    transport = _Neighbour(engine.transport, costs, during=2, seen_late=3)
-    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
-    request = prepare_request(prompt_ids, SamplingParams(max_new_tokens=40), engine.limits, K)
-    asyncio.run(RoundLoop(transport, engine.tokenizer, request, costs, config).complete())
-    drafting = [timing.draft_contended for k, timing in costs.rounds if k > 0]
-    assert len(drafting) >= 4, "too few speculative rounds to test on"
-    assert drafting[:4] == [False, True, False, False]
-    assert not any(drafting[4:])
