@@ -50,6 +50,7 @@ from specdec.decoding.request import (
     encode_prompt,
     prepare_request,
 )
+from specdec.decoding.phases import PhaseGate
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
@@ -258,6 +259,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(config.speculation)
+        self.phases = PhaseGate() if config.speculation.alternate_phases else None
         self._prior_set = False
         self.draft_availability = DraftAvailability(
             config.service.draft_retry_s, probe=self._probe_draft, on_change=self._draft_changed
@@ -398,6 +400,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             self.costs,
             self.config.speculation,
             self.draft_availability,
+            self.phases,
         )
 
     async def _probe_draft(self) -> None:

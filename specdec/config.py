@@ -195,6 +195,14 @@ class SpeculationConfig(_Section):
     running both at once slows the target's prefills, the time to first token, as much as it
     saves)."""
 
+    alternate_phases: bool = False
+    """The router never runs a draft call beside a verify call: the calls of all its requests
+    alternate in phases, every waiting draft call together, then every waiting verify call
+    together (specdec.decoding.phases). Right when draft and target share a CPU's cores, where
+    overlapping forwards take each other's cores and break each side's batches up; false (the
+    calls overlap, the rounds of different requests pipeline) when they run on separate
+    devices."""
+
     def _check(self) -> None:
         _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
         _at_least("draft_top_n", self.draft_top_n, 0)

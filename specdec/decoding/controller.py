@@ -33,8 +33,10 @@ Under load a target replica verifies many sessions in one batch (specdec.models.
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
 forward. When recent verifies shared batches of B > 1 sessions, the verify of k is priced as a
 batch of B x (k + 1) rows (every session drafting the same k; the prior's cost curve by rows,
-scaled to the measured level): k then maximises the batch's goodput, which falls to k = 0 when
-the batch's rows no longer come cheap (vLLM, SmartSpec/TurboSpec do the same; Liu et al. 2024).
+scaled to the measured level), and E(k) is the mean over the requests in flight: k then
+maximises the batch's goodput, which falls to k = 0 when the batch's rows no longer come cheap
+(vLLM, SmartSpec/TurboSpec do the same; Liu et al. 2024). B is the requests in flight, scaled
+by the sessions per batch each of them brought lately (CostModel.batch_load).
 A session whose draft must first catch up on many tokens pays that prefill once, priced by
 KController.choose for the whole batch it delays; probes of plain-decoding requests are spread
 over the batch (KController._probe_due).
@@ -285,6 +287,9 @@ class CostModel:
         self._verify = [_WindowMedian(clock) for _ in range(k_max + 1)]
         self._overhead = {True: _WindowMedian(clock), False: _WindowMedian(clock)}
         self._batch_sessions = _WindowMedian(clock)
+        # sessions per verify batch / requests in flight here, when each batch was reported
+        self._batch_share = _WindowMedian(clock)
+        self._members: dict[int, KController] = {}  # by id: the requests in flight (choose)
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
         self._prefilling = 0  # of those, requests waiting for their first token
@@ -322,6 +327,7 @@ class CostModel:
             elif k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
                 self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
             self._batch_sessions.add(max(timing.batch_sessions, 1))
+            self._batch_share.add(max(timing.batch_sessions, 1) / max(self._in_flight, 1))
             prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
             batched = timing.batch_sessions > 1 and prior_s is not None
             if batched and not timing.target_rebuilt:
@@ -374,10 +380,14 @@ class CostModel:
                 if holder is owner:
                     del self._exploring[bucket]
 
-    def request_started(self) -> None:
-        """A request of this engine or router began (RoundLoop.run); see in_flight."""
+    def request_started(self, owner: KController | None = None) -> None:
+        """A request of this engine or router began (RoundLoop.run); see in_flight. ``owner``:
+        its KController, whose acceptance then counts in batch_expected_tokens until
+        request_ended(owner)."""
         with self._lock:
             self._in_flight += 1
+            if owner is not None:
+                self._members[id(owner)] = owner
 
     def request_ended(self, owner: object | None = None) -> None:
         """A request that request_started counted has ended, however it ended; ``owner``: its
@@ -386,6 +396,8 @@ class CostModel:
             self.release_turn(owner)
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
+            if owner is not None:
+                self._members.pop(id(owner), None)
 
     def prefill_started(self) -> None:
         """A request of this engine or router began its target prefill (RoundLoop); see
@@ -519,6 +531,30 @@ class CostModel:
     def batch_sessions(self) -> float:
         """Sessions per verify batch lately (the median of the last WINDOW rounds; 1 before)."""
         return self._batch_sessions.value or 1.0
+
+    @property
+    def batch_load(self) -> float:
+        """The sessions a round starting now is priced in: the requests in flight here, times
+        the sessions per verify batch that each request in flight brought lately, if more than
+        one (the median of batch_sessions / in_flight over the last WINDOW rounds: other
+        routers' sessions share a target replica's batches too).
+
+        Why not batch_sessions itself: its median follows the load WINDOW / 2 rounds late.
+        After a burst of 8 streams on the AMX Xeon, the last request alone was still priced in
+        batches of 3 sessions and drafted 3 tokens a round where alone it drafts up to 12; and
+        a burst's first rounds would be priced alone (KController.choose)."""
+        share = max(self._batch_share.value or 1.0, 1.0)
+        return max(self._in_flight, 1) * share
+
+    def batch_expected_tokens(self, k: int) -> float | None:
+        """The mean over the requests in flight (those started with their KController) of the
+        tokens a round drafting k commits, E(k) at each one's acceptance rate; None with fewer
+        than 2 such requests."""
+        with self._lock:
+            rates = [member.acceptance.rate for member in self._members.values()]
+        if len(rates) < 2:
+            return None
+        return statistics.fmean(expected_tokens(rate, k) for rate in rates)
 
     def _verify_seconds(self, k: int, sessions: float | None = None) -> float:
         sessions = self.batch_sessions if sessions is None else sessions
@@ -750,14 +786,22 @@ class KController:
         sessions of the batch: where draft and target share a host (the local cluster, CPU
         nodes), the prefill's compute delays every verify of the batch.
 
-        The batch B a round is priced in is max(batch_sessions, in_flight): every request in
-        flight shares the target. Under a burst the verify batches show the load only a few
-        rounds later; and requests that draft fall out of step, so their verifies run in
-        smaller batches, each a forward of its own on the same device. Priced at those small
-        batches, drafting looked cheap because drafting had broken the batch up: 8 streams on
-        the AMX Xeon went from batches of 8 to 3 sessions, rounds of k = 12, and 0.76x the
-        aggregate tokens/s of k = 0. With several target replicas in_flight overstates the
-        batch, and the requests draft less than they could.
+        The batch B a round is priced in is CostModel.batch_load, at least the requests in
+        flight: every request in flight shares the target. Under a burst the verify batches
+        show the load only a few rounds later; and requests that draft fall out of step, so
+        their verifies run in smaller batches, each a forward of its own on the same device.
+        Priced at those small batches, drafting looked cheap because drafting had broken the
+        batch up: 8 streams on the AMX Xeon went from batches of 8 to 3 sessions, rounds of
+        k = 12, and 0.76x the aggregate tokens/s of k = 0. With several target replicas
+        in_flight overstates the batch, and the requests draft less than they could.
+
+        In a batch (B > 1), E(k) is the mean over the requests in flight of each one's E(k)
+        (CostModel.batch_expected_tokens), not this request's own: every request in flight then
+        prices the same k for the same batch, as SmartSpec (Liu et al. 2024) chooses one k for
+        a batch from its mean acceptance. Priced with its own rate, a request that had accepted
+        every token drafted 7-12 tokens among 7 others at k = 0-2 (AMX Xeon, 8 streams); where
+        the router alternates draft and verify phases (SpeculationConfig.alternate_phases), the
+        whole batch's verify waited for that draft.
 
         Where the draft's costs at the current load are not measured yet, one request at a
         time may draft there (CostModel.may_draft); the others decode plain meanwhile.
@@ -770,14 +814,17 @@ class KController:
         if self._probe_due(cap):
             log.debug("k=1: a probe after %d plain rounds", self._plain_rounds)
             return RoundPlan(min(1, cap))
-        rate = self.acceptance.rate
-        sessions, start_s = max(self.costs.batch_sessions, self.costs.in_flight), 0.0
+        sessions, start_s = self.costs.batch_load, 0.0
         if draft_lag > CATCHUP_STEADY_TOKENS:
             per_token = self.costs.catchup_token_seconds
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
+        batched = sessions > 1 and self.costs.batch_expected_tokens(0) is not None
 
         def tokens_per_s(k: int) -> float:
-            tokens = expected_tokens(rate, k)
+            if batched:
+                tokens = self.costs.batch_expected_tokens(k) or 1.0
+            else:
+                tokens = expected_tokens(self.acceptance.rate, k)
             start = start_s * tokens if k else 0.0
             return tokens / (self.costs.round_seconds(k, sessions) + start)
 
@@ -854,11 +901,11 @@ class KController:
         (a prefill, the first time), and its verify adds rows to the batch. Under load those
         costs fall on every session of the batch, and where draft and target share a host the
         draft's compute is taken from their verifies. So a request probes after PROBE_EVERY x B
-        plain rounds, B the sessions per verify batch lately: the batch as a whole probes about
-        as often as a lone request does. (Probing only where full acceptance would pay, as
+        plain rounds, B the sessions per verify batch (batch_load): the batch as a whole probes
+        about as often as a lone request does. (Probing only where full acceptance would pay, as
         tried, can stop probes for good: draft costs measured under load then stay stale.)
         """
-        sessions = max(1, round(self.costs.batch_sessions))
+        sessions = max(1, round(self.costs.batch_load))
         return cap >= 1 and self._plain_rounds >= PROBE_EVERY * sessions
 
     def observe(

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec.config import SpeculationConfig
 from specdec.decoding.controller import CostModel, KController, RoundTiming
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
 from specdec.decoding.stopping import Delta, StopChecker
@@ -66,6 +67,9 @@ class RoundLoop:
         draft: whether the draft side may be called, shared by all requests; a propose that
             fails with any error makes the round go on at k = 0 (the target alone: still exact)
             and is reported to it. None: a breaker of this request's own.
+        phases: where draft and target share cores (SpeculationConfig.alternate_phases), the
+            router's PhaseGate, shared by all its requests: this request's draft and verify
+            calls run in its alternating phases. None: calls run as they come.
     """
 
     def __init__(
@@ -76,8 +80,10 @@ class RoundLoop:
         costs: CostModel,
         config: SpeculationConfig,
         draft: DraftAvailability | None = None,
+        phases: PhaseGate | None = None,
     ) -> None:
         self._transport = transport
+        self._phases = phases
         self._draft = draft or DraftAvailability()
         self._request = request
         self._config = config
@@ -103,7 +109,7 @@ class RoundLoop:
 
     async def run(self) -> AsyncIterator[Delta]:
         """Yields each round's Delta; releases the session on both sides however it ends."""
-        self._controller.costs.request_started()
+        self._controller.costs.request_started(self._controller)
         try:
             delta = await self._prefill()
             yield delta
@@ -264,11 +270,11 @@ class RoundLoop:
         """
         known = self._known[side]
         sent = self._set_session(request, known)
-        response = await method(request)
+        response = await self._in_phase(side, method, request)
         rebuilt = bool(response.cache_miss and known)
         if rebuilt:
             sent = self._set_session(request, 0)
-            response = await method(request)
+            response = await self._in_phase(side, method, request)
         if response.cache_miss:
             raise RuntimeError(
                 f"{side} replica refused a full-sequence call for session "
@@ -278,6 +284,13 @@ class RoundLoop:
         # commit tokens.
         self._known[side] = sent
         return response, rebuilt
+
+    async def _in_phase(self, side: str, method, request):
+        """method(request), within ``side``'s phase of the PhaseGate when there is one."""
+        if self._phases is None:
+            return await method(request)
+        async with self._phases.call(side):
+            return await method(request)
 
     def _set_session(self, request, prefix_len: int) -> int:
         """Writes the call's SessionTokens; prompt_len lets a target replica that rebuilds replay

@@ -438,6 +438,57 @@ def test_a_round_is_priced_in_a_batch_of_every_request_in_flight():
     assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
 
 
+def test_the_batch_load_follows_the_requests_in_flight_at_once():
+    # A burst of 8 drains: the verify batches of 8 are still the median, but the last request
+    # alone is priced alone (its verify of up to 9 rows costs one forward, so it drafts deep),
+    # not in a batch of 8 where 8 rows fill a forward and k = 1 takes a second.
+    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    _with_in_flight(costs, 8)
+    for _ in range(WINDOW):
+        costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.9))
+    assert costs.batch_load == 8
+    assert controller.choose(limit=1000).k == 0
+    _with_in_flight(costs, 1)
+    assert costs.batch_sessions == 8  # the median lags
+    assert costs.batch_load == 1
+    assert controller.choose(limit=1000).k >= 6
+
+
+def test_sessions_from_other_routers_scale_the_batch_load():
+    # 4 requests in flight here, verified in batches of 8: another router's 4 share them.
+    costs = CostModel(_config(), _batch_prior())
+    _with_in_flight(costs, 4)
+    for _ in range(WINDOW):
+        costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
+    assert costs.batch_load == 8
+    _with_in_flight(costs, 2)
+    assert costs.batch_load == 4
+
+
+def test_in_a_batch_every_request_prices_the_mean_acceptance():
+    # Rows up to 16 cost one forward; 4 sessions at k = 3 fill it. A request that accepts
+    # everything would draft deep on its own rate; among neighbours who accept 0.3 it prices
+    # the batch's mean, as they do, and they all choose the same k.
+    costs = CostModel(_config(), _batch_prior(flat_rows=16))
+    sure = KController(costs, _config(), acceptance=_FixedRate(1.0))
+    unsure = [KController(costs, _config(), acceptance=_FixedRate(0.3)) for _ in range(3)]
+    costs.request_started(sure)
+    alone = sure.choose(limit=1000).k
+    assert costs.batch_expected_tokens(3) is None  # one request: its own rate
+    for controller in unsure:
+        costs.request_started(controller)
+    assert costs.batch_expected_tokens(3) == pytest.approx((4 + 3 * (1 + 0.3 + 0.09 + 0.027)) / 4)
+    costs.observe(4, _batched_round(4, sessions=4, verify_s=0.2))  # the load's draft measured
+    choices = {controller.choose(limit=1000).k for controller in [sure, *unsure]}
+    assert len(choices) == 1
+    assert choices.pop() < alone
+    for controller in unsure:
+        costs.request_ended(controller)
+    costs.request_ended(sure)
+    assert costs.in_flight == 0 and costs.batch_expected_tokens(3) is None
+
+
 def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
     # Rows up to 16 cost one forward: at 8 sessions k = 1 rides on the same forward, and
     # drafting pays round by round. But this draft lacks 100 tokens, measured at 20 ms each:
