@@ -42,6 +42,7 @@ from ray.serve.handle import DeploymentHandle
 from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.controller import CostModel
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import (
     AUTO,
     ModelLimits,
@@ -50,7 +51,6 @@ from specdec.decoding.request import (
     encode_prompt,
     prepare_request,
 )
-from specdec.decoding.phases import PhaseGate
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
