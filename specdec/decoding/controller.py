@@ -19,11 +19,12 @@ starting from the pooled acceptance of the router's recent rounds (PooledAccepta
 Bayes) so that one unlucky first round does not turn a request plain; the
 costs are per device and shared by every request of an engine or router (CostModel), so they are
 estimated robustly: each is the median of its last WINDOW steady-state samples younger than
-MAX_AGE_S, and samples that are not steady state are not taken at all (a catch-up over more than
-CATCHUP_STEADY_TOKENS tokens, which is a prefill, a rebuild or a return from plain decoding, is
-kept apart as a cost per token; a verify or an orchestration time of a round in which a side
-rebuilt its cache; the orchestration of a round while other requests are in flight, mostly
-its wait in the batch queues).
+MAX_AGE_S (the draft's: WINDOW per session of a draft batch at that load, each of which reports
+the batch's time), and samples that are not steady state are not taken at all (a catch-up over
+more than CATCHUP_STEADY_TOKENS tokens, which is a prefill, a rebuild or a return from plain
+decoding, is kept apart as a cost per token; a verify or an orchestration time of a round in
+which a side rebuilt its cache; the orchestration of a round while other requests are in
+flight, mostly its wait in the batch queues).
 Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
 replicas' start-up calibration) stands in for it. The draft's costs are kept by load (requests
 in flight); a load not yet measured costs at least what lighter ones measured, and only one
@@ -98,6 +99,13 @@ PROBE_EVERY = 16  # rounds at k = 0 before drafting once to re-measure acceptanc
 # (CostModel.may_draft); another may try once this long has passed without a measurement
 # (the first request's round failed, or it ended).
 EXPLORE_S = 30.0
+# How long the batch a round is priced in remembers a request that ended (CostModel.batch_load):
+# under steady load another request takes its place within milliseconds (a client's next call),
+# and a request that chose its k alone in that gap drafted for a lone round, k = 7-12 where 2 in
+# flight choose 5, while the new request's prefill waited for that draft phase (AMX Xeon, 2
+# streams: TTFT p50 1.56 s against 1.16 s at fixed k = 4). Shorter than one lone round (0.5-1.2
+# s on the 2-core CPUs), so a burst's last request is priced alone from its next round on.
+LOAD_HOLD_S = 0.5
 # The confidence stop's calibration (ConfidenceCalibration): the drafted tokens it fits on, the
 # fewest it trusts, and the range of its exponent.
 CONFIDENCE_WINDOW = 256
@@ -194,10 +202,10 @@ class RoundTiming:
 
 
 class _WindowMedian:
-    """The median of the last WINDOW samples younger than MAX_AGE_S seconds (None without)."""
+    """The median of the last ``size`` samples younger than MAX_AGE_S seconds (None without)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+    def __init__(self, clock: Callable[[], float], size: int = WINDOW) -> None:
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
         self._clock = clock
 
     def add(self, sample: float) -> None:
@@ -216,10 +224,18 @@ def _load_bucket(sessions: float) -> int:
 
 
 class _ByLoad:
-    """One _WindowMedian per load bucket (_load_bucket of CostModel.draft_load)."""
+    """One _WindowMedian per load bucket (_load_bucket of CostModel.draft_load), of WINDOW
+    samples per session a draft batch holds at that load (1, 2, 4, 8).
+
+    Why per session: every session of a draft batch reports the batch's time, so at 8 in
+    flight one batch gives 8 equal samples. With WINDOW samples, one slow batch was the median:
+    at 8 streams on the AMX Xeon one batch's steps of 0.15 s replaced 0.07 s, every request
+    then decoded plain, and plain rounds measure no draft step, so the estimate stood until it
+    expired 30 s later (auto 1.04x k = 0, against 1.27-1.41x in runs without such a batch).
+    """
 
     def __init__(self, clock: Callable[[], float]) -> None:
-        self._windows = [_WindowMedian(clock) for _ in range(LOAD_BUCKETS)]
+        self._windows = [_WindowMedian(clock, WINDOW * 2**b) for b in range(LOAD_BUCKETS)]
 
     def add(self, sample: float, sessions: float) -> None:
         self._windows[_load_bucket(sessions)].add(sample)
@@ -292,6 +308,10 @@ class CostModel:
         self._members: dict[int, KController] = {}  # by id: the requests in flight (choose)
         self._batch_level = _WindowMedian(clock)  # measured / prior seconds of batched verifies
         self._in_flight = 0  # requests running on this engine or router now
+        # (when, in_flight) at each change; the first entry is the count in force LOAD_HOLD_S ago
+        self._in_flight_changes: collections.deque[tuple[float, int]] = collections.deque(
+            [(clock(), 0)]
+        )
         self._prefilling = 0  # of those, requests waiting for their first token
         self._clock = clock
         # load bucket -> (when, the KController) of the request measuring it (may_draft)
@@ -386,6 +406,7 @@ class CostModel:
         request_ended(owner)."""
         with self._lock:
             self._in_flight += 1
+            self._in_flight_changed()
             if owner is not None:
                 self._members[id(owner)] = owner
 
@@ -396,6 +417,7 @@ class CostModel:
             self.release_turn(owner)
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
+            self._in_flight_changed()
             if owner is not None:
                 self._members.pop(id(owner), None)
 
@@ -534,17 +556,34 @@ class CostModel:
 
     @property
     def batch_load(self) -> float:
-        """The sessions a round starting now is priced in: the requests in flight here, times
-        the sessions per verify batch that each request in flight brought lately, if more than
-        one (the median of batch_sessions / in_flight over the last WINDOW rounds: other
-        routers' sessions share a target replica's batches too).
+        """The sessions a round starting now is priced in: the most requests in flight here at
+        any moment of the last LOAD_HOLD_S seconds (a request that ended counts a little longer,
+        as under steady load another one takes its place at once), times the sessions per verify
+        batch that each request in flight brought lately, if more than one (the median of
+        batch_sessions / in_flight over the last WINDOW rounds: other routers' sessions share a
+        target replica's batches too).
 
         Why not batch_sessions itself: its median follows the load WINDOW / 2 rounds late.
         After a burst of 8 streams on the AMX Xeon, the last request alone was still priced in
         batches of 3 sessions and drafted 3 tokens a round where alone it drafts up to 12; and
         a burst's first rounds would be priced alone (KController.choose)."""
         share = max(self._batch_share.value or 1.0, 1.0)
-        return max(self._in_flight, 1) * share
+        with self._lock:
+            held = self._held_in_flight()
+        return max(held, 1) * share
+
+    def _in_flight_changed(self) -> None:
+        """Records the new in_flight for _held_in_flight (under self._lock)."""
+        self._in_flight_changes.append((self._clock(), self._in_flight))
+        self._held_in_flight()  # drops the changes older than the hold
+
+    def _held_in_flight(self) -> int:
+        """The most requests in flight at any moment of the last LOAD_HOLD_S seconds (under
+        self._lock)."""
+        changes, horizon = self._in_flight_changes, self._clock() - LOAD_HOLD_S
+        while len(changes) > 1 and changes[1][0] <= horizon:
+            changes.popleft()
+        return max(count for _, count in changes)
 
     def batch_expected_tokens(self, k: int) -> float | None:
         """The mean over the requests in flight (those started with their KController) of the

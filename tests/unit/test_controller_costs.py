@@ -13,6 +13,7 @@ from specdec.decoding.controller import (
     CATCHUP_STEADY_TOKENS,
     CONFIDENCE_WINDOW,
     EXPLORE_S,
+    LOAD_HOLD_S,
     MAX_AGE_S,
     PROBE_EVERY,
     WINDOW,
@@ -399,7 +400,8 @@ def test_a_draft_starts_priced_at_the_requests_in_flight_under_a_burst():
     # Rows up to 8 cost one forward. Alone, at acceptance 0.5, drafting pays; a batch of 8
     # sessions would turn k = 1 into two forwards, so plain decoding is best there. The verify
     # batches measured so far were lone (a burst of 8 requests has just arrived).
-    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     assert costs.batch_sessions == 1
     costs.request_started()
@@ -415,6 +417,7 @@ def test_a_draft_starts_priced_at_the_requests_in_flight_under_a_burst():
         costs.request_ended()
     costs.request_ended()  # an extra end never counts below zero
     assert costs.in_flight == 0
+    now[0] += LOAD_HOLD_S
     assert controller.choose(limit=1000, draft_lag=100).k > 0
 
 
@@ -423,7 +426,8 @@ def test_a_round_is_priced_in_a_batch_of_every_request_in_flight():
     # batches of 3 sessions (requests that draft fall out of step). Priced at 3 sessions, k = 1
     # (6 rows) rides on one forward and drafting pays; but the other 5 sessions' verifies are
     # forwards on the same target, and priced at the 8 it serves, k = 1 takes two forwards.
-    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     for _ in range(8):
         costs.request_started()
@@ -435,14 +439,17 @@ def test_a_round_is_priced_in_a_batch_of_every_request_in_flight():
     for _ in range(5):
         costs.request_ended()
     assert costs.in_flight == 3  # now the batches of 3 are the load
+    now[0] += LOAD_HOLD_S
     assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
 
 
 def test_the_batch_load_follows_the_requests_in_flight_at_once():
     # A burst of 8 drains: the verify batches of 8 are still the median, but the last request
     # alone is priced alone (its verify of up to 9 rows costs one forward, so it drafts deep),
-    # not in a batch of 8 where 8 rows fill a forward and k = 1 takes a second.
-    costs = CostModel(_config(), _batch_prior(flat_rows=8))
+    # not in a batch of 8 where 8 rows fill a forward and k = 1 takes a second; only for
+    # LOAD_HOLD_S after the others ended does it still count them.
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     _with_in_flight(costs, 8)
     for _ in range(WINDOW):
         costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
@@ -450,19 +457,51 @@ def test_the_batch_load_follows_the_requests_in_flight_at_once():
     assert costs.batch_load == 8
     assert controller.choose(limit=1000).k == 0
     _with_in_flight(costs, 1)
+    assert costs.batch_load == 8  # held: another request would take their places at once
+    now[0] += LOAD_HOLD_S
     assert costs.batch_sessions == 8  # the median lags
     assert costs.batch_load == 1
     assert controller.choose(limit=1000).k >= 6
 
 
+def test_a_request_that_ends_counts_in_the_batch_load_for_the_hold():
+    # 2 streams: one request ends and its client's next call arrives 20 ms later. Rows up to 8
+    # cost one forward. The request left alone in that gap must not choose a lone round's k
+    # (up to 8, 9 rows): its draft phase would hold the new request's prefill. Held at 2
+    # sessions it chooses k = 3 (8 rows); the load grows at once and falls LOAD_HOLD_S later.
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
+    controller = KController(costs, _config(), acceptance=_FixedRate(0.9))
+    _with_in_flight(costs, 2)
+    assert costs.batch_load == 2
+    now[0] += 10.0
+    costs.request_ended()
+    now[0] += LOAD_HOLD_S / 2
+    assert costs.batch_load == 2
+    assert controller.choose(limit=1000).k == 3
+    costs.request_started()  # the next request arrives
+    now[0] += LOAD_HOLD_S
+    assert costs.batch_load == 2
+    costs.request_ended()
+    assert costs.batch_load == 2
+    now[0] += LOAD_HOLD_S * 1.01
+    assert costs.batch_load == 1
+    assert controller.choose(limit=1000).k == 8
+    for _ in range(4):
+        costs.request_started()
+    assert costs.batch_load == 5  # a burst counts at once
+
+
 def test_sessions_from_other_routers_scale_the_batch_load():
     # 4 requests in flight here, verified in batches of 8: another router's 4 share them.
-    costs = CostModel(_config(), _batch_prior())
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(), clock=lambda: now[0])
     _with_in_flight(costs, 4)
     for _ in range(WINDOW):
         costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
     assert costs.batch_load == 8
     _with_in_flight(costs, 2)
+    now[0] += LOAD_HOLD_S
     assert costs.batch_load == 4
 
 
@@ -493,7 +532,8 @@ def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
     # Rows up to 16 cost one forward: at 8 sessions k = 1 rides on the same forward, and
     # drafting pays round by round. But this draft lacks 100 tokens, measured at 20 ms each:
     # a 2 s prefill that delays all 8 sessions' verifies, over the 100 tokens left (limit 99).
-    costs = CostModel(_config(), _batch_prior(flat_rows=16))
+    now = [0.0]
+    costs = CostModel(_config(), _batch_prior(flat_rows=16), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     for _ in range(8):
         costs.request_started()
@@ -504,6 +544,7 @@ def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
     # Alone, the same prefill pays for itself over the request.
     for _ in range(7):
         costs.request_ended()
+    now[0] += LOAD_HOLD_S
     assert controller.choose(limit=99, draft_lag=100).k > 0
 
 
@@ -786,3 +827,19 @@ def test_a_dynamic_round_stops_before_the_token_that_needs_a_second_verify_forwa
             CostModel(_config(12), prior), _config(12, dynamic=True), acceptance=_FixedRate(a)
         )
         assert controller.choose(limit=1000).k == longest
+
+
+def test_one_slow_draft_batch_does_not_set_the_loaded_step():
+    # 8 requests in flight: every session of a draft batch reports the batch's time, so each
+    # batch gives 8 equal samples. Three batches step at STEP_S, then one at 0.15 s (a batch
+    # that carried something else): the step stays STEP_S, as with one sample per batch.
+    costs = CostModel(_config(), _batch_prior())
+    _with_in_flight(costs, 8)
+    slow = _round(2)
+    slow = RoundTiming(**{**slow.__dict__, "draft_s": slow.catchup_s + 0.15})
+    for timing in [_round(2)] * 24 + [slow] * 8:
+        costs.observe(2, timing)
+    assert costs.draft_step_seconds == pytest.approx(STEP_S)
+    for _ in range(3 * 8):  # a real change of level shows after as many batches
+        costs.observe(2, slow)
+    assert costs.draft_step_seconds == pytest.approx(0.15)
