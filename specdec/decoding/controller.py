@@ -123,6 +123,12 @@ def expected_tokens(acceptance_rate: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def mean_expected_tokens(acceptance_rates: Sequence[float], k: int) -> float:
+    """The mean of expected_tokens(a, k) over ``acceptance_rates`` (at least one): what a batch
+    of sessions at those rates commits per session in a round drafting k each."""
+    return statistics.fmean(expected_tokens(rate, k) for rate in acceptance_rates)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostPrior:
     """Costs measured on the devices before any round ran (the replicas' start-up calibration).
@@ -585,15 +591,19 @@ class CostModel:
             changes.popleft()
         return max(count for _, count in changes)
 
-    def batch_expected_tokens(self, k: int) -> float | None:
-        """The mean over the requests in flight (those started with their KController) of the
-        tokens a round drafting k commits, E(k) at each one's acceptance rate; None with fewer
-        than 2 such requests."""
+    def batch_acceptance_rates(self) -> list[float] | None:
+        """The acceptance rate of each request in flight (those started with their
+        KController); None with fewer than 2 such requests."""
         with self._lock:
             rates = [member.acceptance.rate for member in self._members.values()]
-        if len(rates) < 2:
-            return None
-        return statistics.fmean(expected_tokens(rate, k) for rate in rates)
+        return rates if len(rates) >= 2 else None
+
+    def batch_expected_tokens(self, k: int) -> float | None:
+        """The mean over the requests in flight (batch_acceptance_rates) of the tokens a round
+        drafting k commits, E(k) at each one's acceptance rate; None with fewer than 2 such
+        requests."""
+        rates = self.batch_acceptance_rates()
+        return None if rates is None else mean_expected_tokens(rates, k)
 
     def _verify_seconds(self, k: int, sessions: float | None = None) -> float:
         sessions = self.batch_sessions if sessions is None else sessions
@@ -857,13 +867,12 @@ class KController:
         if draft_lag > CATCHUP_STEADY_TOKENS:
             per_token = self.costs.catchup_token_seconds
             start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
-        batched = sessions > 1 and self.costs.batch_expected_tokens(0) is not None
+        # Read once, so every k of this choice is priced at the same rates; alone, its own.
+        rates = self.costs.batch_acceptance_rates() if sessions > 1 else None
+        rates = rates or [self.acceptance.rate]
 
         def tokens_per_s(k: int) -> float:
-            if batched:
-                tokens = self.costs.batch_expected_tokens(k) or 1.0
-            else:
-                tokens = expected_tokens(self.acceptance.rate, k)
+            tokens = mean_expected_tokens(rates, k)
             start = start_s * tokens if k else 0.0
             return tokens / (self.costs.round_seconds(k, sessions) + start)
 
