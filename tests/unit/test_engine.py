@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rebuilds import stream_evicting
 
 from specdec import InvalidRequestError, ModelLoadError, SamplingParams, SpeculativeEngine
 from specdec.models.loading import load_model
@@ -169,22 +170,10 @@ def test_same_seed_same_output_and_different_seeds_differ(engine):
 
 def test_evicting_a_session_mid_request_gives_the_same_output(engine):
     """Drop both caches after every round: each call misses and is rebuilt from full ids."""
-    import asyncio
-
-    async def run(evict):
-        transport = engine.transport
-        stream = engine.generate_stream(PROMPTS[4], GREEDY, 3)
-        tokens = []
-        async for delta in stream:
-            tokens += delta.token_ids
-            if evict:
-                for side in (transport.proposer, transport.verifier):
-                    for session in list(side.sessions._entries):
-                        side.sessions.evict(session)
-        return tokens
-
+    sides = (engine.transport.proposer, engine.transport.verifier)
     rebuilds = engine.transport.verifier.sessions.rebuilds
-    assert asyncio.run(run(True)) == asyncio.run(run(False))
+    evicted = stream_evicting(engine, PROMPTS[4], GREEDY, 3, sides)
+    assert evicted[0] == stream_evicting(engine, PROMPTS[4], GREEDY, 3, ())[0]
     assert engine.transport.verifier.sessions.rebuilds > rebuilds
 
 

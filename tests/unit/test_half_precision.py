@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.models.loading import load_model
@@ -151,24 +152,6 @@ def test_int8_on_a_gpu_is_refused(tiny_pair):
         load_model(tiny_pair[0], dtype="int8", device="cuda")
 
 
-def _stream(built, prompt, k, evict_sides):
-    """Token ids and logprobs of one greedy request, evicting the sessions of ``evict_sides``
-    after every round (as an LRU eviction, a replica restart or a rerouted call would)."""
-    import asyncio
-
-    async def run():
-        tokens, logprobs = [], []
-        async for delta in built.generate_stream(prompt, GREEDY, k):
-            tokens += delta.token_ids
-            logprobs += delta.logprobs
-            for side in evict_sides:
-                for session in list(side.sessions._entries):
-                    side.sessions.evict(session)
-        return tokens, logprobs
-
-    return asyncio.run(run())
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(tiny_pair, dtype):
     # The rebuild replays the prompt's prefill as one forward and the rest in exact widths, so
@@ -180,12 +163,23 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(tiny_pair,
     rebuilds = verifier.sessions.rebuilds
     sides = (built.transport.proposer, verifier)
     for prompt in PROMPTS:
-        expected = _stream(built, prompt, 0, ())
+        expected = stream_evicting(built, prompt, GREEDY, 0, ())
         for k in (3, "auto"):
-            assert _stream(built, prompt, k, ()) == expected, (prompt, k)
-            assert _stream(built, prompt, k, sides) == expected, (prompt, k, "both evicted")
-            assert _stream(built, prompt, k, sides[1:]) == expected, (prompt, k, "target evicted")
-        assert _stream(built, prompt, 0, sides[1:]) == expected, (prompt, "k=0 rebuilt")
+            assert stream_evicting(built, prompt, GREEDY, k, ()) == expected, (prompt, k)
+            assert stream_evicting(built, prompt, GREEDY, k, sides) == expected, (
+                prompt,
+                k,
+                "both evicted",
+            )
+            assert stream_evicting(built, prompt, GREEDY, k, sides[1:]) == expected, (
+                prompt,
+                k,
+                "target evicted",
+            )
+        assert stream_evicting(built, prompt, GREEDY, 0, sides[1:]) == expected, (
+            prompt,
+            "k=0 rebuilt",
+        )
     assert verifier.sessions.rebuilds > rebuilds + len(PROMPTS)
 
 
