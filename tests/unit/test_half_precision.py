@@ -87,6 +87,24 @@ def test_widths_that_round_apart_form_separate_classes(tiny_pair):
     assert all(any(set(c) <= set(d) for d in device_classes) for c in classes)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_whole_model_check_compares_the_smallest_width_in_its_first_trial(tiny_pair, seed):
+    # A 1-row forward computed apart (as the bundled bfloat16 target's is on an AVX-512 BF16
+    # EPYC): one trial must fail the (1, 2) class whatever the random split would have been.
+    from specdec.models.fixed_shape import use_row_wise_attention, whole_forward_exact
+
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    use_row_wise_attention(loaded.model)  # as the calibration checks a class
+    loaded.model.lm_head = _RowsApart(loaded.model.lm_head, lambda width: width == 1, whole=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        assert not whole_forward_exact(
+            loaded.model, loaded.vocab_size, (1, 2), generator, max_trials=1
+        )
+        # Width 1 unused: the modified layer changes nothing the check sees.
+        assert whole_forward_exact(loaded.model, loaded.vocab_size, (2,), generator, max_trials=1)
+
+
 def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
     from specdec.models.calibration import ExactWidths
 
