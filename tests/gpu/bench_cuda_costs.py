@@ -197,8 +197,12 @@ def eager_forward_seconds(model, config, prefix: torch.Tensor, attention: str) -
 
 
 def graph_forward_seconds(model, config, prefix: torch.Tensor, width: int) -> float:
-    """One w-position forward on a static cache, captured once as a CUDA graph, then replayed."""
-    cache = StaticCache(config=config, max_cache_len=PREFIX_TOKENS + 32)
+    """One w-position forward on a static cache, captured once as a CUDA graph, then replayed.
+
+    The static cache appends at its own length whatever cache_position says (transformers
+    5.25), so it holds room for the warm-ups and the capture (the replays repeat the captured
+    positions)."""
+    cache = StaticCache(config=config, max_cache_len=PREFIX_TOKENS + 8 * width)
     with torch.no_grad():
         model(prefix, cache=cache, cache_position=torch.arange(PREFIX_TOKENS, device=DEVICE))
         ids = prefix[:, :width].clone()
