@@ -19,7 +19,7 @@ from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
 from specdec.cluster.processes import prepare_driver
-from specdec.config import SIDES, SpecdecConfig
+from specdec.config import SIDES, ModelConfig, SpecdecConfig
 
 APPLICATION = "specdec"
 # Ray Serve reads the gRPC proxy's max receive (and send) message size from this variable of
@@ -30,13 +30,21 @@ GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeDeploySchema:
     """Parses and validates a Serve config; ``overrides`` update the specdec app's args.
 
+    A ``dtype`` override is the target's: where neither the overrides nor the config set
+    ``draft_dtype``, the draft keeps the config's ``dtype`` or its default: ``--dtype bfloat16``
+    on the shipped ``dtype: auto`` leaves the draft measuring its own (int8 on a CPU) instead of
+    following the target into bfloat16.
+
     Raises:
         FileNotFoundError, pydantic.ValidationError (with the offending field).
     """
     raw = yaml.safe_load(Path(path).read_text())
     for app in raw.get("applications", []):
         if app.get("name") == APPLICATION and overrides:
-            app.setdefault("args", {}).update(overrides)
+            args = app.setdefault("args", {})
+            if "dtype" in overrides and "draft_dtype" not in overrides:
+                args.setdefault("draft_dtype", args.get("dtype", ModelConfig().dtype))
+            args.update(overrides)
     return ServeDeploySchema.model_validate(raw)
 
 

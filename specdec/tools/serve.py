@@ -23,7 +23,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray address (default: the local cluster's)")
     parser.add_argument("--draft-model", help="override the config's draft_model")
     parser.add_argument("--target-model", help="override the config's target_model")
-    parser.add_argument("--dtype", help="override the config's dtype (the target's)")
+    parser.add_argument(
+        "--dtype",
+        help="override the config's dtype for the target; the draft keeps the config's "
+        "draft_dtype, or else its dtype",
+    )
     parser.add_argument("--draft-dtype", help="override the config's draft_dtype (e.g. int8)")
 
 

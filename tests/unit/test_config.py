@@ -290,6 +290,23 @@ def test_resolve_bundled_converts_in_the_dtype_the_replicas_load(tmp_path, monke
     assert calls == [("bundled:draft", "int8"), ("bundled:target", "bfloat16")]
 
 
+@pytest.mark.parametrize("config_dtype", ["auto", None])
+def test_a_dtype_override_is_the_targets_and_the_draft_keeps_the_configs(tmp_path, config_dtype):
+    pytest.importorskip("ray")
+    from specdec.deployments import deploy
+
+    settings = {"dtype": config_dtype} if config_dtype else {}
+    path = _serve_config(tmp_path, **BASE, **settings)
+    models = deploy.app_config(deploy.load_config(path, {"dtype": "bfloat16"})).models
+    assert models.for_side("target")[1] == "bfloat16"
+    assert models.for_side("draft")[1] == (config_dtype or ModelConfig().dtype)
+    both = deploy.load_config(path, {"dtype": "bfloat16", "draft_dtype": "int8"})
+    assert deploy.app_config(both).models.for_side("draft")[1] == "int8"
+    own = _serve_config(tmp_path, **BASE, **settings, draft_dtype="float32")
+    models = deploy.app_config(deploy.load_config(own, {"dtype": "bfloat16"})).models
+    assert models.for_side("draft")[1] == "float32"
+
+
 def test_serve_refuses_a_bad_config_before_deploying(tmp_path, capsys):
     pytest.importorskip("ray")
     from specdec.cli import main
