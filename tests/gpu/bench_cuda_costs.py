@@ -44,6 +44,9 @@ PROMPT = (
     "    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n"
     '    """\n'
 )
+DEVICE = "cuda"  # --device replaces it before any stage runs
+WIDTHS = (1, 2, 4, 8, 13)  # rows of the timed forwards (forward_costs)
+PREFIX_TOKENS = 128  # cache length they extend
 
 
 def random_model(config_dir: Path, out_dir: Path) -> Path:
@@ -58,9 +61,6 @@ def random_model(config_dir: Path, out_dir: Path) -> Path:
             shutil.copy(path, out_dir / path.name)
     del model
     return out_dir
-
-
-DEVICE = "cuda"
 
 
 def synchronize() -> None:
@@ -153,10 +153,6 @@ def engine_runs(engine: SpeculativeEngine, new_tokens: int) -> list[dict]:
             }
         )
     return records
-
-
-WIDTHS = (1, 2, 4, 8, 13)
-PREFIX_TOKENS = 128
 
 
 def forward_costs(target_config: Path) -> dict:
