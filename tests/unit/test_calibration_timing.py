@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from specdec.models import calibration
 from specdec.models.loading import load_model
@@ -117,3 +118,60 @@ def test_one_exact_width_is_priced_for_the_batches_the_replica_runs():
     assert batched >= 8
     one = calibration.ExactWidths((lone,), tuple(costs))
     assert one.rows_seconds(8) == pytest.approx(2 * costs[lone - 1])
+
+
+def _measured(dtype: str, predicted_s: float, prefill_s_per_token: float):
+    exact = calibration.ExactWidths((1,), (1.0,))
+    return calibration.DtypeMeasurement(dtype, (1.0,), prefill_s_per_token, exact, predicted_s)
+
+
+def test_a_target_is_not_chosen_for_throughput_at_the_cost_of_its_time_to_first_token():
+    """The AVX-512 BF16 EPYC's case: float32+dnnl predicted faster per request, bfloat16
+    prefilling 28% faster. A candidate prefilling more than PREFILL_MARGIN slower than the
+    fastest one is passed over; when every usable one is, the fastest prediction wins again."""
+    margin = 1 + calibration.PREFILL_MARGIN
+    dnnl = (_measured("float32+dnnl", 10.5, 0.0113), "float32+dnnl")
+    bf16 = (_measured("bfloat16", 12.1, 0.0081), "bfloat16")
+    assert calibration._choose([dnnl, bf16])[1] == "float32+dnnl"  # no bound: the draft's rule
+    assert calibration._choose([dnnl, bf16], 0.0081)[1] == "bfloat16"
+    within = (_measured("float32+dnnl", 10.5, 0.0081 * margin * 0.99), "float32+dnnl")
+    assert calibration._choose([within, bf16], 0.0081)[1] == "float32+dnnl"
+    # The floor may come from a candidate that is not usable (no exact widths): then the
+    # fastest-predicted usable one is kept rather than none.
+    assert calibration._choose([dnnl, bf16], 0.0050)[1] == "float32+dnnl"
+
+
+def test_the_rival_a_candidate_must_beat_prefills_within_the_margin_of_the_fastest():
+    dnnl = _measured("float32+dnnl", 10.5, 0.0113)
+    slow = _measured("float32", 30.0, 0.0300)
+    unusable = dataclasses.replace(_measured("float32+wm", 9.0, 0.0113), exact=None)
+    done = [dnnl, slow, unusable]
+    assert calibration._rival(done, 0.0300, needs_exact=True, ttft=True) is dnnl
+    assert calibration._rival(done, 0.0081, needs_exact=True, ttft=True) is None
+    assert calibration._rival(done, 0.0081, needs_exact=True, ttft=False) is dnnl
+    assert calibration._rival(done, 0.0081, needs_exact=False, ttft=False) is unusable
+
+
+def test_a_candidate_that_prefills_much_faster_is_measured_in_full_and_chosen(
+    tiny_pair, monkeypatch
+):
+    """Every later candidate is hopeless by SLOWER_CUTOFF = 0 (so bfloat16 would be cut short,
+    with no exact widths, and float32 kept), but bfloat16's prefill is timed 10x faster than
+    float32's: the float32 rival does not count against it, so it is measured in full and
+    chosen."""
+    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)
+    real_prefill = calibration._timed_prefill
+
+    def fake_prefill(model, ids):
+        _, cache = real_prefill(model, ids)
+        return (1.0 if model.dtype == torch.bfloat16 else 10.0), cache
+
+    monkeypatch.setattr(calibration, "_timed_prefill", fake_prefill)
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    model, result = calibration.calibrate(
+        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
+    )
+    first, later = result.candidates
+    assert later.exact is not None
+    assert later.prefill_s_per_token * 10 == first.prefill_s_per_token
+    assert result.dtype == "bfloat16" and model.model.dtype == torch.bfloat16
