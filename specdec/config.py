@@ -71,7 +71,8 @@ class ModelConfig(_Section):
     or `int8` (CPU only). `auto` (the shipped configs' choice): each replica measures its
     forward cost by width in every candidate dtype at start-up (float32, `float32+dnnl` and
     bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target also
-    `float32+wm`) and runs in the fastest one whose target output stays exact
+    `float32+wm`) and runs in the fastest one whose target output stays exact and, for the
+    target, whose prefill (the time to first token) is within 10% of the fastest candidate's
     (specdec.models.calibration; GetModelInfo reports what it measured). A bundled model is
     stored once in bfloat16 (float16 has its own conversion) and loaded from there in any
     dtype."""
