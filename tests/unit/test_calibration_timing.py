@@ -46,8 +46,22 @@ def test_each_cost_is_the_minimum_of_its_passes(tiny_pair, monkeypatch):
     assert result.chosen.prefill_s_per_token == 10.0  # the prefill is repeated too
 
 
+def _prefills_timed(monkeypatch, float32_s: float, bfloat16_s: float) -> None:
+    """Each prefill forward runs, but is timed ``bfloat16_s`` in a bfloat16 model and
+    ``float32_s`` otherwise: real prefill timings of a tiny model put either dtype up to 2x
+    ahead, which decides whether PREFILL_MARGIN rules the float32 rival out."""
+    real_prefill = calibration._timed_prefill
+
+    def fake_prefill(model, ids):
+        _, cache = real_prefill(model, ids)
+        return (bfloat16_s if model.dtype == torch.bfloat16 else float32_s), cache
+
+    monkeypatch.setattr(calibration, "_timed_prefill", fake_prefill)
+
+
 def test_a_candidate_predicted_slower_is_cut_short(tiny_pair, monkeypatch):
     monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)  # every later candidate is hopeless
+    _prefills_timed(monkeypatch, float32_s=1.0, bfloat16_s=1.0)
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     _, result = calibration.calibrate(
         loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
@@ -160,13 +174,7 @@ def test_a_candidate_that_prefills_much_faster_is_measured_in_full_and_chosen(
     float32's: the float32 rival does not count against it, so it is measured in full and
     chosen."""
     monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)
-    real_prefill = calibration._timed_prefill
-
-    def fake_prefill(model, ids):
-        _, cache = real_prefill(model, ids)
-        return (1.0 if model.dtype == torch.bfloat16 else 10.0), cache
-
-    monkeypatch.setattr(calibration, "_timed_prefill", fake_prefill)
+    _prefills_timed(monkeypatch, float32_s=10.0, bfloat16_s=1.0)
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     model, result = calibration.calibrate(
         loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
