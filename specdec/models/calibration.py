@@ -439,7 +439,7 @@ def calibrate(
             measured.predicted_s,
         )
         results.append((measured, model))
-    usable = [r for r in results if r[0].exact is not None or not needs_exact] or results
+    usable = [r for r in results if _usable(r[0], needs_exact)] or results
     floor = min(r.prefill_s_per_token for r, _ in results) if target else None
     chosen, model = _choose(usable, floor)
     set_gemm(model, split_candidate(chosen.dtype)[1], rows_hint)
@@ -476,6 +476,11 @@ def _choose(
     return fastest
 
 
+def _usable(measured: DtypeMeasurement, needs_exact: bool) -> bool:
+    """Whether ``measured`` may be chosen: it has exact widths, or none are needed."""
+    return measured.exact is not None or not needs_exact
+
+
 def _prefills_fast(measured: DtypeMeasurement, prefill_floor: float | None) -> bool:
     """Whether ``measured`` prefills within PREFILL_MARGIN of ``prefill_floor`` (None: no bound)."""
     return prefill_floor is None or (
@@ -491,7 +496,7 @@ def _rival(
     (``ttft``) only among those whose prefill stays within PREFILL_MARGIN of the fastest
     prefill, the new one's included. None when there is none: the new candidate is then
     measured in full (never cut short), since it may be the only one fast enough to prefill."""
-    usable = [r for r in done if r.exact is not None or not needs_exact]
+    usable = [r for r in done if _usable(r, needs_exact)]
     if ttft:
         floor = min([prefill_s_per_token, *(r.prefill_s_per_token for r in done)])
         usable = [r for r in usable if _prefills_fast(r, floor)]
@@ -574,16 +579,17 @@ def _measure(
         seconds, cache = _timed_prefill(model, prompt[:, :PREFILL_TOKENS])
         prefill_s = min(prefill_s, seconds)
     model(input_ids=prompt[:, PREFILL_TOKENS:], cache=cache, use_cache=True, logits_to_keep=1)
-    best = rival(prefill_s / PREFILL_TOKENS)
+    prefill_per_token = prefill_s / PREFILL_TOKENS
+    best = rival(prefill_per_token)
 
     def hopeless(costs: list[float]) -> bool:
-        guess = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
+        guess = DtypeMeasurement(dtype, tuple(costs), prefill_per_token, None, math.inf)
         return best is not None and (
             _optimistic_s(guess, max_width, target, exact_widths) > SLOWER_CUTOFF * best.predicted_s
         )
 
     costs, cut = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
-    measured = DtypeMeasurement(dtype, tuple(costs), prefill_s / PREFILL_TOKENS, None, math.inf)
+    measured = DtypeMeasurement(dtype, tuple(costs), prefill_per_token, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed (or cut short as hopeless) cannot win: skip its (long) exactness measurement.
     optimistic = _optimistic_s(measured, max_width, target, exact_widths)
