@@ -215,7 +215,7 @@ def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
     widest = max(inproc.candidate_dtypes(device), key=inproc.DTYPE_BYTES.get)
     if not inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
         return None
-    plain = inproc.PlainGenerate(info.target_model, device, prompts[0])
+    plain = inproc.PlainGenerate(info.target_model, device, prompts[0], args.max_new_tokens)
     warm_up = {"max_new_tokens": WARM_UP_TOKENS, "temperature": args.temperature, "seed": args.seed}
     plain.run(prompts[0], WARM_UP_TOKENS, warm_up)
     return plain
@@ -233,7 +233,8 @@ def in_process_modes(
     if plain:
         described[PLAIN] = (
             f"the target alone, transformers generate, {plain.dtype}, in process, "
-            "run right after the service's modes on each prompt"
+            "run right after the service's modes on each prompt; the fastest dtype for a "
+            f"{args.max_new_tokens}-token request of the first prompt ({plain.pick_text()})"
         )
     if not args.no_hf:
         described.update(_hf_mode(info, results, args, device, plain))

@@ -2,7 +2,8 @@
 
 - ``engine``: specdec.engine.SpeculativeEngine in this process, the service's dtypes and k.
 - ``plain_generate``: the target alone with transformers' ``generate`` (greedy, or sampling
-  with the same temperature), in the dtype measured fastest here (choose_dtype).
+  with the same temperature), in the dtype measured fastest here for the run's requests
+  (choose_dtype over predicted_request_s).
 - ``hf_assisted``: ``generate(assistant_model=...)``, the target in plain_generate's dtype, the
   draft in the service's draft dtype (an int8 draft is the same dynamically quantized int8
   draft), with the assistant settings measured fastest on the first prompt (HF_SETTINGS).
@@ -30,7 +31,7 @@ from specdec.tools.datasets import BenchPrompt
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4}  # int8 loads as float32
 MEMORY_MARGIN = 1.3  # activations, KV caches, allocator slack over the weights
 RAY_MEMORY_THRESHOLD = 0.95  # Ray's default memory_usage_threshold (its memory monitor)
-DTYPE_PICK_TOKENS = 8  # new tokens of the timed generate that picks plain_generate's dtype
+DTYPE_PICK_TOKENS = 16  # new tokens of the timed generate that picks plain_generate's dtype
 # Assisted-generation settings tried on the first prompt (set on the assistant's
 # generation_config, where transformers reads them). "defaults" is transformers 5's: a constant
 # 20-token block cut by a 0.4 confidence stop; "heuristic" the schedule transformers used by
@@ -62,6 +63,20 @@ def say(text: str) -> None:
 def candidate_dtypes(device: str) -> list[str]:
     """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU."""
     return ["bfloat16", "float16"] if device.startswith("cuda") else ["float32", "bfloat16"]
+
+
+def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_tokens: int) -> float:
+    """Seconds a request of ``max_new_tokens`` would take, from a timed generate of ``tokens``
+    new tokens that took ``seconds``, ``ttft_s`` of them to the first token: the prefill plus
+    max_new_tokens - 1 decode steps at the timed rate.
+
+    A dtype's prefill and decode step can rank apart: under AVX2 emulation on an AVX-512 BF16
+    EPYC, bfloat16 prefilled at 50 ms a token against float32's 15-24 but decoded faster, so a
+    short timed generate picks float32, while a 128-token request runs faster in bfloat16.
+    """
+    if tokens < 2:
+        return seconds
+    return ttft_s + (max_new_tokens - 1) * (seconds - ttft_s) / (tokens - 1)
 
 
 def choose_dtype(
@@ -261,14 +276,21 @@ class PlainGenerate:
         device: "cpu" or "cuda[:N]".
         first_prompt: the prompt the dtype pick times (DTYPE_PICK_TOKENS new tokens after a
             2-token warm-up generate, per candidate_dtypes).
+        max_new_tokens: the run's new tokens per request; the dtype picked is the one whose
+            timed generate predicts the shortest such request (predicted_request_s).
     Attributes:
-        dtype: the chosen dtype; timings: seconds of each candidate's timed generate.
+        dtype: the chosen dtype; timings: each candidate's predicted request, in seconds.
+        pick: per candidate, (time to first token, seconds per decode step) of its timed
+            generate.
     """
 
-    def __init__(self, target_model: str, device: str, first_prompt: BenchPrompt) -> None:
+    def __init__(
+        self, target_model: str, device: str, first_prompt: BenchPrompt, max_new_tokens: int
+    ) -> None:
         from specdec.models.loading import load_model
 
         loaded: dict[str, Any] = {}
+        self.pick: dict[str, tuple[float, float]] = {}
 
         def measure(dtype: str) -> float | None:
             loaded.clear()  # one candidate in memory at a time
@@ -282,9 +304,13 @@ class PlainGenerate:
             ids = prompt_ids(model.tokenizer, first_prompt)
             greedy = {"temperature": 0.0}
             generate(model, ids, 2, greedy, PLAIN)  # warm-up: first-call kernel set-up
-            start = time.perf_counter()
-            generate(model, ids, DTYPE_PICK_TOKENS, greedy, PLAIN)
-            return time.perf_counter() - start
+            timed = generate(
+                model, ids, DTYPE_PICK_TOKENS, greedy, PLAIN, min_new_tokens=DTYPE_PICK_TOKENS
+            )
+            tokens = len(timed.token_ids)
+            seconds = tokens / timed.tokens_per_second
+            self.pick[dtype] = (timed.ttft_s, (seconds - timed.ttft_s) / max(tokens - 1, 1))
+            return predicted_request_s(seconds, timed.ttft_s, tokens, max_new_tokens)
 
         self.dtype, self.timings = choose_dtype(candidate_dtypes(device), measure)
         self.target = loaded.pop(self.dtype, None)
@@ -292,12 +318,19 @@ class PlainGenerate:
         if self.target is None:  # the fastest was not the last one measured
             free_memory(device)
             self.target = load_model(target_model, dtype=self.dtype, device=device)
-        timings = ", ".join(
-            f"{d} {'-' if s is None else f'{s:.2f} s'}" for d, s in self.timings.items()
-        )
         say(
-            f"plain_generate: {DTYPE_PICK_TOKENS} greedy tokens of the first prompt took "
-            f"{timings}; using {self.dtype}"
+            f"plain_generate: a {max_new_tokens}-token request on the first prompt, predicted "
+            f"from {DTYPE_PICK_TOKENS} timed greedy tokens: {self.pick_text()}; using {self.dtype}"
+        )
+
+    def pick_text(self) -> str:
+        """Each candidate's predicted request and what it came from, in words."""
+        return ", ".join(
+            f"{d} -"
+            if s is None
+            else f"{d} {s:.1f} s (TTFT {self.pick[d][0] * 1e3:.0f} ms, "
+            f"{self.pick[d][1] * 1e3:.0f} ms a token)"
+            for d, s in self.timings.items()
         )
 
     def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
