@@ -76,7 +76,13 @@ def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_toke
     """
     if tokens < 2:
         return seconds
-    return ttft_s + (max_new_tokens - 1) * (seconds - ttft_s) / (tokens - 1)
+    return ttft_s + (max_new_tokens - 1) * decode_step_s(seconds, ttft_s, tokens)
+
+
+def decode_step_s(seconds: float, ttft_s: float, tokens: int) -> float:
+    """Seconds per decode step of a timed generate (as predicted_request_s; 1 token: its
+    time after the first token, which is 0 or near it)."""
+    return (seconds - ttft_s) / max(tokens - 1, 1)
 
 
 def choose_dtype(
@@ -309,7 +315,7 @@ class PlainGenerate:
             )
             tokens = len(timed.token_ids)
             seconds = tokens / timed.tokens_per_second
-            self.pick[dtype] = (timed.ttft_s, (seconds - timed.ttft_s) / max(tokens - 1, 1))
+            self.pick[dtype] = (timed.ttft_s, decode_step_s(seconds, timed.ttft_s, tokens))
             return predicted_request_s(seconds, timed.ttft_s, tokens, max_new_tokens)
 
         self.dtype, self.timings = choose_dtype(candidate_dtypes(device), measure)
