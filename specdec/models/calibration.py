@@ -46,6 +46,7 @@ from transformers import DynamicCache
 from specdec.decoding.controller import CostPrior, expected_tokens
 from specdec.models.device import describe_device
 from specdec.models.fixed_shape import (
+    half_precision_rows,
     measure_width_classes,
     use_row_wise_attention,
     whole_forward_exact,
@@ -87,7 +88,8 @@ PREFILL_MARGIN = 0.1
 # a busy 2-core host put the bundled target in bfloat16 (whose 32-token prefill then took 4x
 # float32's) in one run and float32 in the next.
 TIMING_REPEATS = 2
-HALF_DTYPES = ("bfloat16", "float16")  # a target in these gets one exact width (_exact_widths)
+HALF_DTYPES = ("bfloat16", "float16")  # a target's class in these needs a longer check
+HALF_CLASS_MAX_PASSES = 4  # at most this many max_width-row blocks per width (_exact_widths)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -567,8 +569,11 @@ def _measure(
 ) -> DtypeMeasurement:
     """One candidate's costs (and a target's exact widths), measured on ``model`` as it is set
     up. ``rival`` maps this candidate's prefill seconds per token to the candidate it has to
-    beat (_rival): a candidate clearly slower than it is cut short (SLOWER_CUTOFF) and gets no
-    exactness measurement."""
+    beat (_rival): a candidate clearly slower than it (SLOWER_CUTOFF), or for a target one that
+    prefills more than PREFILL_MARGIN slower (it could not be chosen), is cut short and gets no
+    exactness measurement. Measured case: the bundled target's emulated bfloat16 on an AVX2-only
+    CPU prefills at 3x float32+dnnl's time a token (57 ms against 19), while its 1-row forward
+    is the cheapest (0.10 s against 0.16), so only the prefill rules it out early."""
     generator = torch.Generator().manual_seed(0)
     device = model.device
     prompt = torch.randint(vocab_size, (1, CACHE_TOKENS), generator=generator).to(device)
@@ -582,17 +587,20 @@ def _measure(
     prefill_per_token = prefill_s / PREFILL_TOKENS
     best = rival(prefill_per_token)
 
+    k_max = max_width - 1 - EXTRA_WIDTHS
+
     def hopeless(costs: list[float]) -> bool:
         guess = DtypeMeasurement(dtype, tuple(costs), prefill_per_token, None, math.inf)
         return best is not None and (
-            _optimistic_s(guess, max_width, target, exact_widths) > SLOWER_CUTOFF * best.predicted_s
+            predicted_request_seconds(guess, k_max, target) > SLOWER_CUTOFF * best.predicted_s
+            or (target and not _prefills_fast(guess, best.prefill_s_per_token))
         )
 
     costs, cut = _forward_costs(model, cache, vocab_size, max_width, generator, hopeless)
     measured = DtypeMeasurement(dtype, tuple(costs), prefill_per_token, None, math.inf)
     # Exact widths only cost more than all widths, so a candidate already slower with every
     # width allowed (or cut short as hopeless) cannot win: skip its (long) exactness measurement.
-    optimistic = _optimistic_s(measured, max_width, target, exact_widths)
+    optimistic = predicted_request_seconds(measured, k_max, target)
     if exact_widths and not cut and (best is None or optimistic < best.predicted_s):
         half = split_candidate(dtype)[0] in HALF_DTYPES
         exact = _exact_widths(model, vocab_size, costs, max_width, generator, half, max_batch_size)
@@ -608,29 +616,6 @@ def _timed_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, Dy
         lambda: model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1),
     )
     return seconds, cache
-
-
-def _optimistic_s(
-    measured: DtypeMeasurement, max_width: int, target: bool, exact_widths: bool = False
-) -> float:
-    """predicted_request_seconds with every width that could turn out exact taken as exact: all
-    of them, or, for a half-precision target that needs exact widths, the best single width
-    (the only classes _exact_widths allows it). Measured case: on the 2-core AVX2 EPYC the
-    bundled target's bfloat16 costs 0.30 s at one row and 2.8 s at 17; with every width taken
-    as exact it was never cut on an idle host, where this bound cuts it (inside a busy local
-    cluster its one-row cost still keeps it in)."""
-    k_max = max_width - 1 - EXTRA_WIDTHS
-    half = split_candidate(measured.dtype)[0] in HALF_DTYPES
-    if not (target and exact_widths and half):
-        return predicted_request_seconds(measured, k_max, target)
-    return min(
-        predicted_request_seconds(
-            dataclasses.replace(measured, exact=ExactWidths((width,), measured.forward_s)),
-            k_max,
-            target,
-        )
-        for width in range(1, max_width + 1)
-    )
 
 
 def _forward_costs(
@@ -695,13 +680,21 @@ def _exact_widths(
     """The width class with the lowest _seconds_per_token (at loads up to ``max_batch_size``
     sessions) that also passes the whole-model check (a class of the linear layers'
     measurement, or one width of such a class alone, since other operators may still tell
-    widths apart); None when none does."""
+    widths apart); None when none does.
+
+    A half-precision (``half``) class of several widths is checked for half_precision_rows rows
+    at each of its widths, and only kept when that takes at most HALF_CLASS_MAX_PASSES blocks
+    of max_width rows per width: otherwise single widths only. Measured cases: the tiny test
+    target's bfloat16 linear layers measure [1, 2], [3 .. 8], [9 .. 17] on an AVX-512 BF16
+    EPYC, but its q_proj and o_proj give 3-row and 8-row calls different outputs about once in
+    a thousand 8-token blocks (and the 1- and 2-row calls differ on the AMX Xeon), which it
+    would take about 18,000 rows a width to see; the bundled target's [2 .. 17] passes 36."""
     classes = measure_width_classes(model, max_width, generator=generator)
-    singles = [(w,) for c in classes for w in c if len(c) > 1 or half]
-    if half:
-        # One width only: bfloat16's coarse logits turn rare cross-width rounding differences
-        # (seen on the tiny target between its 1- and 2-row calls, missed by the random-row
-        # measurement) into different logprobs; position invariance at one width held.
+    rows = half_precision_rows(model) if half else 0
+    checkable = rows <= HALF_CLASS_MAX_PASSES * max_width
+    singles = [(w,) for c in classes for w in c if len(c) > 1 or not checkable]
+    if not checkable:
+        log.info("a %d-row check per width is too long: single exact widths only", rows)
         classes = []
     k_max = max_width - 1 - EXTRA_WIDTHS
     options = sorted(
@@ -709,7 +702,7 @@ def _exact_widths(
         key=lambda e: _seconds_per_token(e, k_max, max_batch_size),
     )
     for option in options:
-        if whole_forward_exact(model, vocab_size, option.widths, generator):
+        if whole_forward_exact(model, vocab_size, option.widths, generator, rows_per_width=rows):
             return option
         log.info("width class %s failed the whole-model check", option.widths)
     log.warning("no exact width class among %s: greedy output may depend on k", classes)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_CALIBRATION_CACHE"
 DEFAULT_DIR = "~/.cache/specdec/calibration"
-FORMAT = 1  # bump when what a calibration measures, or how, changes
+FORMAT = 2  # bump when what a calibration measures, or how, changes
 # The measurement's own settings go into the key too, so changing one never reuses old results.
 _SETTINGS = (
     "CACHE_TOKENS",

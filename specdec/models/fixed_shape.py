@@ -32,12 +32,23 @@ padding is nearly free there; the per-row attention adds 28 x 13 small calls per
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ROW_WISE_ATTENTION = "specdec_row_wise_sdpa"
 CALIBRATION_PREFIX_TOKENS = 16  # cache length the calibration forwards extend
+# How often one layer shape computed by another GEMM path in bfloat16 changes a row's logits,
+# per use of the shape, output feature and square root of in_features (the accumulator's
+# rounding error grows with it). Measured on an AVX-512 BF16 EPYC with the bundled target: its
+# 56 (256, 1536) layers computed row by row in 3-row forwards changed 21 of 30 3-row pieces'
+# logits, 0.40 per row, 7.1e-7 per unit; random rows through single layers, 1-row against
+# 2-row calls, gave 3-4e-6 (bundled) and 1.5-8e-6 (tiny target), before the logits absorb some.
+HALF_PRECISION_SPLIT_RATE = 5e-7
+HALF_PRECISION_MISMATCHES = 10.0  # expected differences a split class must show: misses e^-10
 
 
 def row_wise_attention(
@@ -180,6 +191,7 @@ def whole_forward_exact(
     *,
     elements: int = 200_000,
     max_trials: int = 64,
+    rows_per_width: int = 0,
 ) -> bool:
     """Whether whole forwards (attention, norms and the cache included) agree across
     ``widths``: a block of max(widths) random tokens in one forward against the same tokens fed
@@ -193,33 +205,91 @@ def whole_forward_exact(
     first), so even a single trial compares the smallest width with the widest: a random split
     of a (1, 2) class into one 2-token piece compared nothing (the bundled bfloat16 target
     passed that way on an AVX-512 BF16 EPYC, where its 1-row forward differs).
+
+    Then, with ``rows_per_width``, every narrower width w compares at least that many rows
+    computed in forwards of w rows: blocks cut into pieces of w tokens (half_precision_rows
+    sizes it, since a half-precision class split shows in few outputs).
     """
     device = model.device
     prefix = torch.randint(vocab_size, (1, CALIBRATION_PREFIX_TOKENS), generator=generator)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix.to(device), cache=cache, use_cache=True, logits_to_keep=1)
     widest, narrower = max(widths), sorted(widths)[:-1]
+
+    def block() -> torch.Tensor:
+        return torch.randint(vocab_size, (widest,), generator=generator).to(device)
+
     for trial in range(min(max_trials, max(1, -(-elements // (vocab_size * widest))))):
-        block = torch.randint(vocab_size, (widest,), generator=generator).to(device)
-        together = _logits(model, cache, block)
-        _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
-        start = 0
-        while start < widest:
+
+        def random_piece(start: int, trial: int = trial) -> int:
             # A random split, so rows move to other places and other widths of the class.
             real = int(torch.randint(1, widest - start + 1, (1,), generator=generator))
             if start == 0 and narrower:
                 real = narrower[trial % len(narrower)]
-            width = min(w for w in widths if w >= real)
-            if len(widths) == 1:
-                real = 1  # one width: each token alone at row 0, padded to it
-            chunk = block[start : start + real]
-            padded = torch.cat([chunk, chunk[-1:].repeat(width - real)])
-            apart = _logits(model, cache, padded)[:real]
-            _crop_to(cache, CALIBRATION_PREFIX_TOKENS + start + real)
-            if not torch.equal(apart, together[start : start + real]):
+            return 1 if len(widths) == 1 else real  # one width: each token alone, padded
+
+        if not _split_agrees(model, cache, block(), widths, random_piece):
+            return False
+    for width in narrower:
+        for _ in range(-(-rows_per_width // (width * (widest // width)))):
+            if not _split_agrees(
+                model, cache, block(), widths, lambda start, w=width: min(w, widest - start)
+            ):
                 return False
-            start += real
-        _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
+    return True
+
+
+def half_precision_rows(
+    model: torch.nn.Module, mismatches: float = HALF_PRECISION_MISMATCHES
+) -> int:
+    """Rows each narrower width of a half-precision class must compute in whole_forward_exact
+    (rows_per_width) for a class that two GEMM paths split to show, on average, ``mismatches``
+    differing outputs in the linear layer least likely to show one (a split in that layer
+    alone would then go unseen with probability about exp(-mismatches)).
+
+    A half-precision output keeps 8 (bfloat16) or 11 (float16) bits of the float32
+    accumulator, so two paths whose accumulators differ in the last float32 bits give different
+    outputs only near a rounding boundary, and a row's logits change with probability about
+    1 - exp(-HALF_PRECISION_SPLIT_RATE x uses x out_features x sqrt(in_features)). The tiny
+    test target would need tens of thousands of rows (its layers have 16 to 64 outputs and 32
+    or 64 inputs); the bundled Qwen2.5 1.5B target needs 36.
+    """
+    shapes: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.out_features, module.in_features)
+            shapes[shape] = shapes.get(shape, 0) + 1
+    per_row = min(
+        uses * outputs * HALF_PRECISION_SPLIT_RATE * math.sqrt(inputs)
+        for (outputs, inputs), uses in shapes.items()
+    )
+    return math.ceil(mismatches / per_row)
+
+
+def _split_agrees(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    block: torch.Tensor,
+    widths: tuple[int, ...],
+    piece: Callable[[int], int],
+) -> bool:
+    """Whether ``block`` ([n] token ids, extending ``cache``'s calibration prefix) gets bitwise
+    the same logits in one forward as in consecutive pieces of piece(start) tokens, each padded
+    to the narrowest of ``widths`` that holds it. Leaves ``cache`` at the prefix when it does."""
+    together = _logits(model, cache, block)
+    _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
+    start = 0
+    while start < len(block):
+        real = piece(start)
+        width = min(w for w in widths if w >= real)
+        chunk = block[start : start + real]
+        padded = torch.cat([chunk, chunk[-1:].repeat(width - real)])
+        apart = _logits(model, cache, padded)[:real]
+        _crop_to(cache, CALIBRATION_PREFIX_TOKENS + start + real)
+        if not torch.equal(apart, together[start : start + real]):
+            return False
+        start += real
+    _crop_to(cache, CALIBRATION_PREFIX_TOKENS)
     return True
 
 

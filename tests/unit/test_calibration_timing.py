@@ -74,30 +74,23 @@ def test_a_candidate_predicted_slower_is_cut_short(tiny_pair, monkeypatch):
     assert result.dtype == "float32"
 
 
-def test_a_half_precision_target_is_priced_at_its_best_single_width():
-    """A half-precision target may only get one exact width (_exact_widths), so the bound that
-    decides whether it is worth measuring further prices it at its best single width: with a
-    cost that rises with the width, one width cannot serve both plain decoding (1 row) and long
-    drafts, and the bound is above the every-width one, yet no single width beats it."""
-    k_max = 4
-    max_width = k_max + 1 + calibration.EXTRA_WIDTHS
-    costs = tuple(1.0 + 0.25 * (w - 1) for w in range(1, max_width + 1))
-    half = calibration.DtypeMeasurement("bfloat16", costs, 0.01, None, math.inf)
-    bound = calibration._optimistic_s(half, max_width, target=True, exact_widths=True)
-    every_width = calibration._optimistic_s(half, max_width, target=True, exact_widths=False)
-    assert bound > every_width * 1.05
-    singles = [
-        calibration.predicted_request_seconds(
-            dataclasses.replace(half, exact=calibration.ExactWidths((w,), costs)), k_max, True
-        )
-        for w in range(1, max_width + 1)
-    ]
-    assert bound == pytest.approx(min(singles))
-    as_float32 = dataclasses.replace(half, dtype="float32")
-    assert calibration._optimistic_s(as_float32, max_width, True, True) == every_width
-    assert calibration._optimistic_s(half, max_width, target=False, exact_widths=True) == (
-        calibration.predicted_request_seconds(half, k_max, False)
+def test_a_target_candidate_that_prefills_too_slowly_to_be_chosen_is_cut_short(
+    tiny_pair, monkeypatch
+):
+    """However fast its decode forwards (no candidate is hopeless by SLOWER_CUTOFF here), a
+    target candidate prefilling more than PREFILL_MARGIN slower than a usable rival could not
+    be chosen, so it gets neither its full costs nor an exactness measurement."""
+    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", math.inf)
+    _prefills_timed(monkeypatch, float32_s=1.0, bfloat16_s=1.0 + 2 * calibration.PREFILL_MARGIN)
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    _, result = calibration.calibrate(
+        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
     )
+    first, cut = result.candidates
+    assert first.exact is not None and cut.exact is None
+    costs = cut.forward_s  # measured at 1, 2, 4, 8 and the widest (9); 3 interpolated
+    assert costs[2] == pytest.approx((costs[1] + costs[3]) / 2)
+    assert result.dtype == "float32"
 
 
 # The bundled target in bfloat16 on the 2-core AMX Xeon: ms of one forward of w positions over a

@@ -248,3 +248,84 @@ def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(
         assert all(p.dtype == getattr(torch, dtype) for p in cast.parameters())
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
+
+
+def _row_by_row(model: torch.nn.Module) -> None:
+    """Every Linear layer computes each row in a call of its own: every width exact."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            layer = module.forward
+            module.forward = lambda x, layer=layer: torch.cat(
+                [layer(x[..., i : i + 1, :]) for i in range(x.shape[-2])], dim=-2
+            )
+
+
+def test_the_check_computes_rows_at_every_width_of_the_class_when_asked(tiny_pair):
+    # Width 5 alone computes its rows apart. One random trial need not cut a piece of 5 rows;
+    # rows_per_width makes every narrower width compute at least that many rows.
+    from specdec.models.fixed_shape import use_row_wise_attention, whole_forward_exact
+
+    loaded = load_model(str(tiny_pair[1]), dtype="float32")
+    use_row_wise_attention(loaded.model)
+    _row_by_row(loaded.model)
+    widths = tuple(range(2, 9))
+    with torch.inference_mode():
+        generator = torch.Generator().manual_seed(0)
+        args = (loaded.model, loaded.vocab_size, widths, generator)
+        assert whole_forward_exact(*args, rows_per_width=8)
+        loaded.model.lm_head = _RowsApart(loaded.model.lm_head, lambda w: w == 5, whole=True)
+        for seed in range(3):
+            generator.manual_seed(seed)
+            assert not whole_forward_exact(*args, max_trials=1, rows_per_width=1)
+
+
+def _meta_model(shapes: dict[tuple[int, int], int]) -> torch.nn.Module:
+    """Linear layers of (out_features, in_features) shapes, each used ``count`` times."""
+    layers = [
+        torch.nn.Linear(inputs, outputs, bias=False, device="meta")
+        for (outputs, inputs), count in shapes.items()
+        for _ in range(count)
+    ]
+    return torch.nn.Sequential(*layers)
+
+
+def test_a_half_precision_class_is_checked_only_where_a_split_would_show(tiny_pair):
+    from specdec.models.calibration import HALF_CLASS_MAX_PASSES
+    from specdec.models.fixed_shape import half_precision_rows
+
+    budget = HALF_CLASS_MAX_PASSES * 17  # rows a width, k_max 12
+    # Qwen2.5 1.5B's linear layers: 28 decoder layers and the LM head.
+    qwen = {(1536, 1536): 56, (256, 1536): 56, (8960, 1536): 56, (1536, 8960): 28}
+    qwen[(151936, 1536)] = 1
+    rows = half_precision_rows(_meta_model(qwen))
+    assert 0 < rows <= budget
+    # The scarcest shape sets the rows: half as many uses of it, twice the rows (rounded up).
+    fewer = {**qwen, (256, 1536): 28}
+    assert half_precision_rows(_meta_model(fewer)) in (2 * rows - 1, 2 * rows)
+    assert half_precision_rows(_meta_model(qwen), mismatches=20.0) in (2 * rows - 1, 2 * rows)
+    tiny = load_model(str(tiny_pair[1]), dtype="bfloat16").model
+    assert half_precision_rows(tiny) > budget
+
+
+def test_a_half_precision_target_of_a_tiny_model_keeps_one_exact_width(bf16_engine):
+    # Its layers are too small for a split class to show within the check: single widths only.
+    assert len(bf16_engine.transport.verifier.exact.widths) == 1
+
+
+def test_a_checkable_half_precision_class_gets_the_longer_check(tiny_pair, monkeypatch):
+    from specdec.models import calibration
+
+    checked = []
+
+    def recording_check(model, vocab_size, widths, generator, **kwargs):
+        checked.append((widths, kwargs.get("rows_per_width", 0)))
+        return True
+
+    monkeypatch.setattr(calibration, "half_precision_rows", lambda model: 7)
+    monkeypatch.setattr(calibration, "whole_forward_exact", recording_check)
+    loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
+    generator = torch.Generator().manual_seed(0)
+    costs = [1.0 + 0.01 * w for w in range(9)]
+    exact = calibration._exact_widths(loaded.model, loaded.vocab_size, costs, 9, generator, True)
+    assert checked == [(exact.widths, 7)]
+    assert len(exact.widths) > 1  # a class of several widths is cheapest on this cost curve
