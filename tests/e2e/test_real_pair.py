@@ -13,6 +13,7 @@ import os
 
 import pytest
 from local_service import LOCAL_CONFIG
+from rebuilds import stream_evicting
 
 from specdec import SamplingParams
 from specdec.pairs import bundled
@@ -63,6 +64,20 @@ def test_greedy_speculative_equals_target_only(real_engine):
     assert speculative.text == target_only.text
     # The pair agrees on easy code: most draft tokens pass (0.8-0.95 measured).
     assert speculative.stats.acceptance_rate > 0.4
+
+
+def test_rebuilt_sessions_continue_bitwise_in_the_dtype_auto_chose(real_engine):
+    # Both caches evicted after every round: each call rebuilds from the token ids (the prompt's
+    # prefill, then the rest in the target's exact widths), and token ids and logprobs must equal
+    # the undisturbed k = 0 run's. On an AVX-512 BF16 or AMX CPU `auto` picks bfloat16, whose
+    # class of several widths (checked by half_precision_rows' rows) this exercises.
+    params = SamplingParams(max_new_tokens=24)
+    sides = (real_engine.transport.proposer, real_engine.transport.verifier)
+    rebuilds = real_engine.transport.verifier.sessions.rebuilds
+    expected = stream_evicting(real_engine, PROMPT, params, 0, ())
+    assert stream_evicting(real_engine, PROMPT, params, "auto", ()) == expected
+    assert stream_evicting(real_engine, PROMPT, params, "auto", sides) == expected
+    assert real_engine.transport.verifier.sessions.rebuilds > rebuilds
 
 
 def test_seeded_sampling_is_reproducible(real_engine):
