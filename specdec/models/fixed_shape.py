@@ -33,6 +33,7 @@ padding is nearly free there; the per-row attention adds 28 x 13 small calls per
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -254,11 +255,11 @@ def half_precision_rows(
     test target would need tens of thousands of rows (its layers have 16 to 64 outputs and 32
     or 64 inputs); the bundled Qwen2.5 1.5B target needs 36.
     """
-    shapes: dict[tuple[int, int], int] = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            shape = (module.out_features, module.in_features)
-            shapes[shape] = shapes.get(shape, 0) + 1
+    shapes = Counter(
+        (module.out_features, module.in_features)
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear)
+    )
     per_row = min(
         uses * outputs * HALF_PRECISION_SPLIT_RATE * math.sqrt(inputs)
         for (outputs, inputs), uses in shapes.items()
