@@ -30,7 +30,16 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
-MODEL_DTYPES = ("auto", "float32", "float32+wm", "float32+dnnl", "bfloat16", "float16", "int8")
+MODEL_DTYPES = (
+    "auto",
+    "float32",
+    "float32+wm",
+    "float32+dnnl",
+    "bfloat16",
+    "bfloat16+dnnl",
+    "float16",
+    "int8",
+)
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -67,10 +76,11 @@ class ModelConfig(_Section):
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
     `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
-    oneDNN's reordered weights; CPU only; both in specdec.models.gemm), `bfloat16`, `float16`
-    or `int8` (CPU only). `auto` (the shipped configs' choice): each replica measures its
-    forward cost by width in every candidate dtype at start-up (float32, `float32+dnnl` and
-    bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target also
+    oneDNN's reordered weights; CPU only; both in specdec.models.gemm), `bfloat16`,
+    `bfloat16+dnnl` (CPU with AVX-512 or AVX-NE-CONVERT only), `float16` or `int8` (CPU only).
+    `auto` (the shipped configs' choice): each replica measures its forward cost by width in
+    every candidate dtype at start-up (float32, bfloat16 and each `+dnnl` where the CPU has it
+    on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target also
     `float32+wm`) and runs in the fastest one whose target output stays exact and, for the
     target, whose prefill (the time to first token) is within 10% of the fastest candidate's
     (specdec.models.calibration; GetModelInfo reports what it measured). A bundled model is
@@ -157,7 +167,7 @@ class ModelConfig(_Section):
                 value = getattr(self, name)
                 _require(
                     name,
-                    value not in ("int8", "float32+dnnl"),
+                    value not in ("int8", "float32+dnnl", "bfloat16+dnnl"),
                     f"{value} runs on the CPU only, device is {self.device!r}",
                 )
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)

@@ -186,22 +186,33 @@ class Calibration:
 
 def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
     """The dtypes ``auto`` tries, in order: float32 and bfloat16 (a CPU), bfloat16 and float16
-    (a GPU); on a CPU also float32 with oneDNN's reordered weights ("float32+dnnl",
-    specdec.models.gemm; where the build has it), a target also float32 with weight-major GEMMs
-    ("float32+wm"), a draft also int8 (its output never depends on the draft's numerics).
+    (a GPU); on a CPU also each with oneDNN's reordered weights ("float32+dnnl",
+    "bfloat16+dnnl"; specdec.models.gemm, where onednn_available says the build and CPU have
+    it), a target also float32 with weight-major GEMMs ("float32+wm"), a draft also int8 (its
+    output never depends on the draft's numerics).
 
     The order matters twice: the first candidate is the default that a later one must beat by
     CHOICE_MARGIN, and a candidate measured after a much faster one is cut short
-    (SLOWER_CUTOFF), so the likely winner comes first: a target's "+dnnl" (the 2-core AVX2
-    EPYC: bundled target 37 s per typical request against float32's 72 s; every width exact). A
-    draft's comes last: int8 quantization finds the Linear layers by type, which "+dnnl"
+    (SLOWER_CUTOFF), so the likely winner of each dtype comes first: a target's "+dnnl" (the
+    2-core AVX2 EPYC: bundled target 37 s per typical request against float32's 72 s; every
+    width exact; the AVX-512 BF16 EPYC: a bfloat16 MLP 1.5x F.linear's speed, gemm module). A
+    draft's come last: int8 quantization finds the Linear layers by type, which "+dnnl"
     changes."""
     if torch.device(device).type != "cpu":
         return ["bfloat16", "float16"]
-    onednn = ["float32" + ONEDNN] if onednn_available() else []
+    onednn = {
+        base: [base + ONEDNN] if onednn_available(_DTYPES[base]) else []
+        for base in ("float32", "bfloat16")
+    }
     if role == "draft":
-        return ["float32", INT8, "bfloat16", *onednn]
-    return [*onednn, "float32", "float32" + WEIGHT_MAJOR, "bfloat16"]
+        return ["float32", INT8, "bfloat16", *onednn["float32"], *onednn["bfloat16"]]
+    return [
+        *onednn["float32"],
+        "float32",
+        "float32" + WEIGHT_MAJOR,
+        *onednn["bfloat16"],
+        "bfloat16",
+    ]
 
 
 def load_calibrated(
@@ -407,11 +418,14 @@ def calibrate(
     max_width = max_speculative_tokens + 1 + EXTRA_WIDTHS if target else DRAFT_WIDTHS
     results: list[tuple[DtypeMeasurement, torch.nn.Module]] = []
     rows_hint = max_speculative_tokens + 1 if target else 1
+    casts: dict[str, torch.nn.Module] = {}  # the candidates of one base dtype share one model
     for dtype in dtypes:
         base, gemm = split_candidate(dtype)
-        set_gemm(loaded.model, "")  # plain weights again: a cast deep-copies them
-        model = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
-        set_gemm(model, gemm, rows_hint)  # the float32 candidates share one model
+        if base not in casts:
+            set_gemm(loaded.model, "")  # plain weights again: a cast deep-copies them
+            casts[base] = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
+        model = casts[base]
+        set_gemm(model, gemm, rows_hint)
         if needs_exact:
             use_row_wise_attention(model)
         measured = _measure(

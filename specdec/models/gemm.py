@@ -17,11 +17,18 @@ with the chosen GEMM, like everything else):
   width 1-17 rounding a row the same way; the 151936-row lm_head took 112 ms at 13 rows against
   343-397 ms. The reordered weight replaces the plain one (same bytes), except where another
   module shares it (a tied lm_head keeps the embedding's and adds its reordered copy).
+- ``bfloat16+dnnl``: the same in bfloat16, where oneDNN has a bfloat16 inner product for the CPU
+  (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; onednn_available says). F.linear's bfloat16 path reads
+  the plain weight on every call. On a 2-core AVX-512 BF16 EPYC, one layer's MLP of
+  Qwen2.5-1.5B (28 distinct layers in turn, so the weights come from memory) took 2.0 ms at 1-4
+  rows and 2.5 ms at 13 against F.linear's 3.0 and 3.7, with bitwise the same outputs; a
+  128-row prefill 14.6 ms against 18.2.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +38,17 @@ ONEDNN = "+dnnl"  # the suffix of a candidate whose linear layers run oneDNN on 
 WEIGHT_MAJOR_MAX_ROWS = 64  # wider calls (prefills) keep F.linear, which is as fast there
 
 
-def onednn_available() -> bool:
-    """Whether this torch build has oneDNN's reordered-weight linear (CPU builds do)."""
+@functools.cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU run oneDNN's reordered-weight linear in ``dtype``: CPU
+    builds do in float32; bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` hides. Tried once per process on a small weight."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+        if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")):
+            return False
+        weight = torch.ones(8, 16, dtype=dtype)
+        return onednn_linear(weight[:2], onednn_reorder(weight, 2)).shape == (2, 8)
     except (AttributeError, RuntimeError):
         return False
 
@@ -100,10 +113,15 @@ def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
     Args:
         rows_hint: the row count ONEDNN's reorder is tuned for (a target: k_max + 1).
     Raises:
-        ValueError: an unknown gemm.
+        ValueError: an unknown gemm, or ONEDNN in a dtype onednn_available refuses.
     """
     if gemm not in ("", WEIGHT_MAJOR, ONEDNN):
         raise ValueError(f"gemm must be '', {WEIGHT_MAJOR!r} or {ONEDNN!r}, got {gemm!r}")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if gemm == ONEDNN and not onednn_available(dtype):
+        raise ValueError(
+            f"{ONEDNN} in {dtype}: this torch build or CPU has no oneDNN {dtype} inner product"
+        )
     holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
         if gemm and type(module) is torch.nn.Linear:

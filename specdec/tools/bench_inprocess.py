@@ -162,7 +162,8 @@ def model_bytes(spec: str, dtype: str) -> int | None:
     except (OSError, ValueError):
         config = {}
     stored = DTYPE_BYTES.get(config.get("torch_dtype") or config.get("dtype"), 4)
-    return sum(p.stat().st_size for p in files) * DTYPE_BYTES.get(dtype, 4) // stored
+    base = dtype.split("+")[0]  # a calibration candidate's dtype: "bfloat16+dnnl" -> bfloat16
+    return sum(p.stat().st_size for p in files) * DTYPE_BYTES.get(base, 4) // stored
 
 
 def fits_in_memory(mode: str, models: Sequence[tuple[str, str]], device: str) -> bool:
@@ -193,6 +194,23 @@ def free_memory(device: str) -> None:
 
 
 # --- generate -----------------------------------------------------------------------------------
+
+
+def load_as(spec: str, candidate: str, device: str, rows_hint: int = 1):
+    """load_model in a calibration candidate's dtype ("bfloat16+dnnl": bfloat16), its linear
+    layers on the candidate's GEMM (specdec.models.gemm.set_gemm; oneDNN's weights reordered
+    for calls of about ``rows_hint`` rows), as a replica that chose it runs them.
+
+    Raises:
+        ModelLoadError: as load_model; ValueError: as set_gemm.
+    """
+    from specdec.models.gemm import set_gemm, split_candidate
+    from specdec.models.loading import load_model
+
+    base, gemm = split_candidate(candidate)
+    loaded = load_model(spec, dtype=base, device=device)
+    set_gemm(loaded.model, gemm, rows_hint)
+    return loaded
 
 
 @contextlib.contextmanager
@@ -354,7 +372,7 @@ class HFAssisted:
         target: the target, loaded (plain_generate's, in its fastest dtype), or None to load
             ``target_model`` in ``target_dtype``.
         draft_model, draft_dtype: the service's draft files and dtype (an int8 draft is quantized
-            exactly as the draft replica's).
+            exactly as the draft replica's, a "+dnnl" one runs the replica's GEMM: load_as).
         k_max: the service's k_max (the "constant k_max" setting's block).
         device: "cpu" or "cuda[:N]".
     Attributes:
@@ -372,10 +390,10 @@ class HFAssisted:
         target_model: str | None = None,
         target_dtype: str | None = None,
     ) -> None:
-        from specdec.models.loading import check_same_tokenizer, load_model
+        from specdec.models.loading import check_same_tokenizer
 
-        self.target = target or load_model(target_model, dtype=target_dtype, device=device)
-        self.draft = load_model(draft_model, dtype=draft_dtype, device=device)
+        self.target = target or load_as(target_model, target_dtype, device, rows_hint=k_max + 1)
+        self.draft = load_as(draft_model, draft_dtype, device)
         check_same_tokenizer(self.draft.tokenizer, self.target.tokenizer)
         self.k_max = k_max
         self.setting = "defaults"

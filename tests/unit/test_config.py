@@ -212,7 +212,7 @@ def test_the_dtype_names_are_the_ones_the_loader_accepts():
     from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
-    gemms = {"float32" + WEIGHT_MAJOR, "float32" + ONEDNN}
+    gemms = {"float32" + WEIGHT_MAJOR, "float32" + ONEDNN, "bfloat16" + ONEDNN}
     assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | gemms
 
 

@@ -3,6 +3,10 @@ exact."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -20,22 +24,30 @@ from specdec.models.loading import load_model
 from specdec.pairs.tiny import PROMPTS
 
 GEMMS = [WEIGHT_MAJOR, ONEDNN] if onednn_available() else [WEIGHT_MAJOR]
+# Every GEMM candidate this build and CPU run: bfloat16+dnnl needs oneDNN's bfloat16 kernels
+SWITCHED = ["float32" + g for g in GEMMS] + (
+    ["bfloat16" + ONEDNN] if onednn_available(torch.bfloat16) else []
+)
 
 
-@pytest.mark.parametrize("gemm", GEMMS)
-def test_a_switched_linear_computes_the_same_product(gemm):
+@pytest.mark.parametrize("candidate", SWITCHED)
+def test_a_switched_linear_computes_the_same_product(candidate):
+    base, gemm = split_candidate(candidate)
+    dtype = getattr(torch, base)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(48, 40)
+    layer = torch.nn.Linear(48, 40).to(dtype)
     model = torch.nn.Sequential(layer)
-    inputs = {w: torch.randn(1, w, 48) for w in (1, 3, 16, 100)}
+    inputs = {w: torch.randn(1, w, 48, dtype=dtype) for w in (1, 3, 16, 100)}
     plain = {w: layer(x) for w, x in inputs.items()}
     weight = layer.weight.detach().clone()
     set_gemm(model, gemm, rows_hint=5)
     assert type(layer) is SwitchableLinear and layer.gemm == gemm
     for width, x in inputs.items():
         out = layer(x)
-        assert out.shape == plain[width].shape == (1, width, 40)
-        torch.testing.assert_close(out, plain[width], rtol=1e-5, atol=1e-5)
+        assert out.shape == plain[width].shape == (1, width, 40) and out.dtype == dtype
+        # bfloat16 keeps 8 bits of mantissa: one rounding step apart at most
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out, plain[width], rtol=tolerance, atol=tolerance)
     set_gemm(model, "")
     assert torch.equal(layer.weight, weight)  # oneDNN's reorder is undone bitwise
     for width, x in inputs.items():
@@ -74,17 +86,45 @@ def test_candidates_name_dtype_and_gemm():
     assert split_candidate("bfloat16") == ("bfloat16", "")
     target, draft = candidate_dtypes("target", "cpu"), candidate_dtypes("draft", "cpu")
     assert "float32+wm" in target and "float32+wm" not in draft
-    if onednn_available():
-        assert "float32+dnnl" in target and draft[-1] == "float32+dnnl"  # after int8's cast
-    assert "float32+dnnl" not in candidate_dtypes("target", "cuda")
+    assert split_candidate("bfloat16+dnnl") == ("bfloat16", ONEDNN)
+    for base in ("float32", "bfloat16"):
+        candidate = base + ONEDNN
+        available = onednn_available(getattr(torch, base))
+        assert (candidate in target) == (candidate in draft) == available
+        if available:  # after int8's cast; before the plain GEMM of its dtype, which it cuts
+            assert draft.index(candidate) > draft.index("int8")
+            assert target.index(candidate) < target.index(base)
+    assert not any(ONEDNN in c for c in candidate_dtypes("target", "cuda"))
 
 
-@pytest.fixture(scope="module", params=GEMMS)
+def test_onednn_bfloat16_is_not_offered_where_the_cpu_lacks_it():
+    """ONEDNN_MAX_CPU_ISA=AVX2 hides oneDNN's bfloat16 kernels (an AVX2-only CPU has none):
+    bfloat16+dnnl is then no candidate, and set_gemm refuses it by name."""
+    code = (
+        "import torch\n"
+        "from specdec.models.calibration import candidate_dtypes\n"
+        "from specdec.models.gemm import onednn_available, set_gemm\n"
+        "assert not onednn_available(torch.bfloat16)\n"
+        "assert 'bfloat16+dnnl' not in candidate_dtypes('target', 'cpu')\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8)).bfloat16()\n"
+        "try:\n"
+        "    set_gemm(model, '+dnnl')\n"
+        "except ValueError as err:\n"
+        "    print(err)\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "+dnnl in torch.bfloat16" in done.stdout and "no oneDNN" in done.stdout
+
+
+@pytest.fixture(scope="module", params=SWITCHED)
 def switched_target(request, tiny_pair):
-    """The tiny target calibrated as one float32 GEMM candidate alone."""
-    loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    candidate = "float32" + request.param
-    return calibrate(loaded, "target", [candidate], max_speculative_tokens=4, automatic=False)
+    """The tiny target calibrated as one GEMM candidate alone."""
+    loaded = load_model(str(tiny_pair[1]), dtype=split_candidate(request.param)[0])
+    return calibrate(loaded, "target", [request.param], max_speculative_tokens=4, automatic=False)
 
 
 def test_a_switched_target_has_measured_exact_widths(switched_target):
