@@ -212,10 +212,13 @@ def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
 
     if args.no_plain:
         return None
-    widest = max(inproc.candidate_dtypes(device), key=inproc.DTYPE_BYTES.get)
+    candidates = inproc.candidate_dtypes(device, args.plain_gemms)
+    widest = max(candidates, key=inproc.dtype_bytes)
     if not inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
         return None
-    plain = inproc.PlainGenerate(info.target_model, device, prompts[0], args.max_new_tokens)
+    plain = inproc.PlainGenerate(
+        info.target_model, device, prompts[0], args.max_new_tokens, args.plain_gemms
+    )
     warm_up = {"max_new_tokens": WARM_UP_TOKENS, "temperature": args.temperature, "seed": args.seed}
     plain.run(prompts[0], WARM_UP_TOKENS, warm_up)
     return plain
@@ -329,6 +332,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--no-plain",
         action="store_true",
         help="skip plain_generate (the target alone with transformers generate, fastest dtype)",
+    )
+    parser.add_argument(
+        "--plain-gemms",
+        action="store_true",
+        help="plain_generate (and HF assisted, which runs its target) also tries the service's "
+        "CPU GEMMs (float32+dnnl, bfloat16+dnnl): speculation's speedup apart from the GEMM's",
     )
     parser.add_argument(
         "--no-engine",

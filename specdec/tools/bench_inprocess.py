@@ -60,9 +60,26 @@ def say(text: str) -> None:
     print(f"# {text}", file=sys.stderr, flush=True)
 
 
-def candidate_dtypes(device: str) -> list[str]:
-    """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU."""
-    return ["bfloat16", "float16"] if device.startswith("cuda") else ["float32", "bfloat16"]
+def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
+    """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU;
+    with ``gemms``, on a CPU also each on oneDNN's reordered weights where the CPU has it
+    ("float32+dnnl", "bfloat16+dnnl": the service's GEMM candidates, specdec.models.gemm), so
+    that a speedup over it is speculation's alone."""
+    if device.startswith("cuda"):
+        return ["bfloat16", "float16"]
+    dtypes = ["float32", "bfloat16"]
+    if not gemms:
+        return dtypes
+    import torch
+
+    from specdec.models.gemm import ONEDNN, onednn_available
+
+    return dtypes + [d + ONEDNN for d in dtypes if onednn_available(getattr(torch, d))]
+
+
+def dtype_bytes(candidate: str) -> int:
+    """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl": bfloat16's 2)."""
+    return DTYPE_BYTES.get(candidate.split("+")[0], 4)
 
 
 def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_tokens: int) -> float:
@@ -162,8 +179,7 @@ def model_bytes(spec: str, dtype: str) -> int | None:
     except (OSError, ValueError):
         config = {}
     stored = DTYPE_BYTES.get(config.get("torch_dtype") or config.get("dtype"), 4)
-    base = dtype.split("+")[0]  # a calibration candidate's dtype: "bfloat16+dnnl" -> bfloat16
-    return sum(p.stat().st_size for p in files) * DTYPE_BYTES.get(base, 4) // stored
+    return sum(p.stat().st_size for p in files) * dtype_bytes(dtype) // stored
 
 
 def fits_in_memory(mode: str, models: Sequence[tuple[str, str]], device: str) -> bool:
@@ -309,10 +325,13 @@ class PlainGenerate:
     """
 
     def __init__(
-        self, target_model: str, device: str, first_prompt: BenchPrompt, max_new_tokens: int
+        self,
+        target_model: str,
+        device: str,
+        first_prompt: BenchPrompt,
+        max_new_tokens: int,
+        gemms: bool = False,
     ) -> None:
-        from specdec.models.loading import load_model
-
         loaded: dict[str, Any] = {}
         self.pick: dict[str, tuple[float, float]] = {}
 
@@ -320,7 +339,7 @@ class PlainGenerate:
             loaded.clear()  # one candidate in memory at a time
             free_memory(device)
             try:
-                model = load_model(target_model, dtype=dtype, device=device)
+                model = load_as(target_model, dtype, device)
             except Exception as err:  # noqa: BLE001 - a dtype the device lacks is skipped
                 say(f"plain_generate: {dtype} cannot load here ({err})")
                 return None
@@ -336,12 +355,12 @@ class PlainGenerate:
             self.pick[dtype] = (timed.ttft_s, decode_step_s(seconds, timed.ttft_s, tokens))
             return predicted_request_s(seconds, timed.ttft_s, tokens, max_new_tokens)
 
-        self.dtype, self.timings = choose_dtype(candidate_dtypes(device), measure)
+        self.dtype, self.timings = choose_dtype(candidate_dtypes(device, gemms), measure)
         self.target = loaded.pop(self.dtype, None)
         loaded.clear()
         if self.target is None:  # the fastest was not the last one measured
             free_memory(device)
-            self.target = load_model(target_model, dtype=self.dtype, device=device)
+            self.target = load_as(target_model, self.dtype, device)
         say(
             f"plain_generate: a {max_new_tokens}-token request on the first prompt, predicted "
             f"from {DTYPE_PICK_TOKENS} timed greedy tokens: {self.pick_text()}; using {self.dtype}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec.decoding.stats import SpeculationStats
+from specdec.tools import bench_inprocess as inproc
 from specdec.tools.bench_figures import (
     PromptResult,
     Run,
@@ -104,6 +105,38 @@ def test_dtype_pick_keeps_the_fastest_that_ran():
     assert choose_dtype(["a", "b"], lambda d: 1.0)[0] == "a"  # a tie keeps the first
     with pytest.raises(RuntimeError, match="no dtype"):
         choose_dtype(["float16"], lambda d: None)
+
+
+def test_plain_generate_tries_the_services_gemms_only_when_asked():
+    import torch
+
+    from specdec.models.gemm import onednn_available
+
+    assert inproc.candidate_dtypes("cpu") == ["float32", "bfloat16"]
+    with_gemms = inproc.candidate_dtypes("cpu", gemms=True)
+    assert with_gemms[:2] == ["float32", "bfloat16"]
+    assert ("float32+dnnl" in with_gemms) == onednn_available(torch.float32)
+    assert ("bfloat16+dnnl" in with_gemms) == onednn_available(torch.bfloat16)
+    assert inproc.candidate_dtypes("cuda", gemms=True) == ["bfloat16", "float16"]
+    assert inproc.dtype_bytes("bfloat16+dnnl") == 2 and inproc.dtype_bytes("float32+dnnl") == 4
+
+
+def test_a_baseline_loaded_as_a_gemm_candidate_runs_that_gemm(tiny_pair):
+    import torch
+
+    from specdec.models.gemm import ONEDNN, SwitchableLinear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    loaded = inproc.load_as(str(tiny_pair[1]), "float32+dnnl", "cpu", rows_hint=5)
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is SwitchableLinear and m.gemm == ONEDNN for m in linears)
+    plain = inproc.load_as(str(tiny_pair[1]), "float32", "cpu")
+    plain_linears = [m for m in plain.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(type(m) is torch.nn.Linear for m in plain_linears)  # F.linear: untouched
+    ids = [1, 2, 3, 4]
+    run = inproc.generate(loaded, ids, 6, {"temperature": 0.0}, "plain", min_new_tokens=6)
+    assert len(run.token_ids) == 6
 
 
 def test_the_plain_dtype_is_the_fastest_for_the_runs_requests_not_for_the_timed_one():

@@ -86,6 +86,7 @@ def test_demo_bench_arguments_parse_with_bench_parser():
         seed=0,
         k=None,
         no_plain=False,
+        plain_gemms=False,
         no_engine=True,
         no_hf=True,
         no_hf_tune=True,
