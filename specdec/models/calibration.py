@@ -51,7 +51,7 @@ from specdec.models.fixed_shape import (
     use_row_wise_attention,
     whole_forward_exact,
 )
-from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR, onednn_available, set_gemm, split_candidate
+from specdec.models.gemm import WEIGHT_MAJOR, onednn_candidate, set_gemm, split_candidate
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
 
 if TYPE_CHECKING:
@@ -200,19 +200,10 @@ def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
     changes."""
     if torch.device(device).type != "cpu":
         return ["bfloat16", "float16"]
-    onednn = {
-        base: [base + ONEDNN] if onednn_available(_DTYPES[base]) else []
-        for base in ("float32", "bfloat16")
-    }
+    float32, bfloat16 = onednn_candidate("float32"), onednn_candidate("bfloat16")
     if role == "draft":
-        return ["float32", INT8, "bfloat16", *onednn["float32"], *onednn["bfloat16"]]
-    return [
-        *onednn["float32"],
-        "float32",
-        "float32" + WEIGHT_MAJOR,
-        *onednn["bfloat16"],
-        "bfloat16",
-    ]
+        return ["float32", INT8, "bfloat16", *float32, *bfloat16]
+    return [*float32, "float32", "float32" + WEIGHT_MAJOR, *bfloat16, "bfloat16"]
 
 
 def load_calibrated(

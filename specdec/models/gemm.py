@@ -53,6 +53,12 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def onednn_candidate(base: str) -> list[str]:
+    """[base + ONEDNN] ("float32+dnnl", "bfloat16+dnnl") where onednn_available(base), else []:
+    the oneDNN calibration candidate of a dtype, for the lists that include it."""
+    return [base + ONEDNN] if onednn_available(getattr(torch, base)) else []
+
+
 def onednn_reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout for calls of about ``rows_hint`` rows (an
     opaque tensor: only onednn_linear and ``to_dense()`` read it)."""

@@ -70,16 +70,16 @@ def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
     dtypes = ["float32", "bfloat16"]
     if not gemms:
         return dtypes
-    import torch
+    from specdec.models.gemm import onednn_candidate
 
-    from specdec.models.gemm import ONEDNN, onednn_available
-
-    return dtypes + [d + ONEDNN for d in dtypes if onednn_available(getattr(torch, d))]
+    return dtypes + [c for d in dtypes for c in onednn_candidate(d)]
 
 
 def dtype_bytes(candidate: str) -> int:
     """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl": bfloat16's 2)."""
-    return DTYPE_BYTES.get(candidate.split("+")[0], 4)
+    from specdec.models.gemm import split_candidate
+
+    return DTYPE_BYTES.get(split_candidate(candidate)[0], 4)
 
 
 def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_tokens: int) -> float:
