@@ -35,6 +35,7 @@ MODEL_DTYPES = (
     "float32",
     "float32+wm",
     "float32+dnnl",
+    "float32+bf16w",
     "bfloat16",
     "bfloat16+dnnl",
     "float16",
@@ -76,16 +77,18 @@ class ModelConfig(_Section):
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
     `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
-    oneDNN's reordered weights; CPU only; both in specdec.models.gemm), `bfloat16`,
+    oneDNN's reordered weights; CPU only), `float32+bf16w` (float32 arithmetic on weights
+    stored in bfloat16, for models whose weights are bfloat16 values, like the bundled pair;
+    x86-64 CPU with AVX2 and a C++ compiler; all three in specdec.models.gemm), `bfloat16`,
     `bfloat16+dnnl` (CPU with AVX-512 or AVX-NE-CONVERT only), `float16` or `int8` (CPU only).
     `auto` (the shipped configs' choice): each replica measures its forward cost by width in
-    every candidate dtype at start-up (float32, bfloat16 and each `+dnnl` where the CPU has it
-    on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU target also
-    `float32+wm`) and runs in the fastest one whose target output stays exact and, for the
-    target, whose prefill (the time to first token) is within 10% of the fastest candidate's
-    (specdec.models.calibration; GetModelInfo reports what it measured). A bundled model is
-    stored once in bfloat16 (float16 has its own conversion) and loaded from there in any
-    dtype."""
+    every candidate dtype at start-up (float32, bfloat16, each `+dnnl` and `float32+bf16w`
+    where the CPU has it on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU
+    target also `float32+wm`) and runs in the fastest one whose target output stays exact
+    and, for the target, whose prefill (the time to first token) is within 10% of the fastest
+    candidate's (specdec.models.calibration; GetModelInfo reports what it measured). A bundled
+    model is stored once in bfloat16 (float16 has its own conversion) and loaded from there in
+    any dtype."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
@@ -167,7 +170,7 @@ class ModelConfig(_Section):
                 value = getattr(self, name)
                 _require(
                     name,
-                    value not in ("int8", "float32+dnnl", "bfloat16+dnnl"),
+                    value not in ("int8", "float32+dnnl", "float32+bf16w", "bfloat16+dnnl"),
                     f"{value} runs on the CPU only, device is {self.device!r}",
                 )
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)

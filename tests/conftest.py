@@ -34,6 +34,15 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_pair_bf16(tmp_path_factory):
+    """The tiny pair stored in bfloat16, as the bundled pair is: loaded in float32, every
+    weight is a bfloat16 value, which the float32+bf16w GEMM needs."""
+    return save_pair(
+        tmp_path_factory.mktemp("tiny-bf16"), noise=0.05, pad_vocab=7, dtype="bfloat16"
+    )
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_pair):
     draft, target = tiny_pair
     return SpeculativeEngine.from_pretrained(draft, target)

@@ -51,7 +51,13 @@ from specdec.models.fixed_shape import (
     use_row_wise_attention,
     whole_forward_exact,
 )
-from specdec.models.gemm import WEIGHT_MAJOR, onednn_candidate, set_gemm, split_candidate
+from specdec.models.gemm import (
+    WEIGHT_MAJOR,
+    bf16_weights_candidate,
+    onednn_candidate,
+    set_gemm,
+    split_candidate,
+)
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
 
 if TYPE_CHECKING:
@@ -188,22 +194,25 @@ def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
     """The dtypes ``auto`` tries, in order: float32 and bfloat16 (a CPU), bfloat16 and float16
     (a GPU); on a CPU also each with oneDNN's reordered weights ("float32+dnnl",
     "bfloat16+dnnl"; specdec.models.gemm, where onednn_available says the build and CPU have
-    it), a target also float32 with weight-major GEMMs ("float32+wm"), a draft also int8 (its
-    output never depends on the draft's numerics).
+    it) and float32 on bfloat16-stored weights ("float32+bf16w", where bf16_weights.available();
+    a model with weights that are not bfloat16 values skips it), a target also float32 with
+    weight-major GEMMs ("float32+wm"), a draft also int8 (its output never depends on the
+    draft's numerics).
 
     The order matters twice: the first candidate is the default that a later one must beat by
     CHOICE_MARGIN, and a candidate measured after a much faster one is cut short
     (SLOWER_CUTOFF), so the likely winner of each dtype comes first: a target's "+dnnl" (the
     2-core AVX2 EPYC: bundled target 37 s per typical request against float32's 72 s; every
-    width exact; the AVX-512 BF16 EPYC: a bfloat16 MLP 1.5x F.linear's speed, gemm module). A
-    draft's come last: int8 quantization finds the Linear layers by type, which "+dnnl"
-    changes."""
+    width exact; the AVX-512 BF16 EPYC: a bfloat16 MLP 1.5x F.linear's speed, gemm module),
+    then "+bf16w" (the same float32 products at half the weight bytes). A draft's come last:
+    int8 quantization finds the Linear layers by type, which the other GEMMs change."""
     if torch.device(device).type != "cpu":
         return ["bfloat16", "float16"]
     float32, bfloat16 = onednn_candidate("float32"), onednn_candidate("bfloat16")
+    bf16w = bf16_weights_candidate()
     if role == "draft":
-        return ["float32", INT8, "bfloat16", *float32, *bfloat16]
-    return [*float32, "float32", "float32" + WEIGHT_MAJOR, *bfloat16, "bfloat16"]
+        return ["float32", INT8, "bfloat16", *float32, *bfloat16, *bf16w]
+    return [*float32, *bf16w, "float32", "float32" + WEIGHT_MAJOR, *bfloat16, "bfloat16"]
 
 
 def load_calibrated(
@@ -399,7 +408,8 @@ def calibrate(
     Returns:
         (the model in the chosen dtype, Calibration). The log says what was measured.
     Raises:
-        ValueError: no dtypes.
+        ValueError: no dtypes, or a single one whose GEMM set_gemm refuses for this model or
+            machine (of several, such a candidate is skipped and logged).
     """
     if not dtypes:
         raise ValueError("calibrate needs at least one dtype")
@@ -416,7 +426,13 @@ def calibrate(
             set_gemm(loaded.model, "")  # plain weights again: a cast deep-copies them
             casts[base] = loaded.model if len(dtypes) == 1 else _cast(loaded.model, base)
         model = casts[base]
-        set_gemm(model, gemm, rows_hint)
+        try:
+            set_gemm(model, gemm, rows_hint)
+        except ValueError as err:  # a GEMM this model or machine cannot run exactly
+            if len(dtypes) == 1:
+                raise
+            log.info("%s %s: skipped: %s", role, dtype, err)
+            continue
         if needs_exact:
             use_row_wise_attention(model)
         measured = _measure(

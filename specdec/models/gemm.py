@@ -23,6 +23,11 @@ with the chosen GEMM, like everything else):
   Qwen2.5-1.5B (28 distinct layers in turn, so the weights come from memory) took 2.0 ms at 1-4
   rows and 2.5 ms at 13 against F.linear's 3.0 and 3.7, with bitwise the same outputs; a
   128-row prefill 14.6 ms against 18.2.
+- ``float32+bf16w``: float32 arithmetic on weights stored in bfloat16 (specdec.models.bf16_weights,
+  x86-64 with AVX2 and FMA), for a model whose every weight is a bfloat16 (a bundled model's
+  are), so it is the float32 model reading half the bytes, and every width rounds a row the
+  same way. Where oneDNN has no bfloat16 (an AVX2-only CPU) it is the cheapest exact way to run
+  a few rows; the numbers are in that module.
 """
 
 from __future__ import annotations
@@ -33,8 +38,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from specdec.models import bf16_weights
+
 WEIGHT_MAJOR = "+wm"  # the suffix of a candidate whose linear layers run W @ x^T
 ONEDNN = "+dnnl"  # the suffix of a candidate whose linear layers run oneDNN on reordered weights
+BF16_WEIGHTS = "+bf16w"  # the suffix of a float32 candidate whose weights are stored in bfloat16
+PACKED = (ONEDNN, BF16_WEIGHTS)  # the GEMMs that replace the plain weight with their own copy
+GEMMS = ("", WEIGHT_MAJOR, *PACKED)
 WEIGHT_MAJOR_MAX_ROWS = 64  # wider calls (prefills) keep F.linear, which is as fast there
 
 
@@ -59,6 +69,12 @@ def onednn_candidate(base: str) -> list[str]:
     return [base + ONEDNN] if onednn_available(getattr(torch, base)) else []
 
 
+def bf16_weights_candidate() -> list[str]:
+    """["float32+bf16w"] where bf16_weights.available(), else []. A model whose weights are not
+    all bfloat16 values still refuses it (set_gemm), which calibration reports as skipped."""
+    return ["float32" + BF16_WEIGHTS] if bf16_weights.available() else []
+
+
 def onednn_reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout for calls of about ``rows_hint`` rows (an
     opaque tensor: only onednn_linear and ``to_dense()`` read it)."""
@@ -74,8 +90,9 @@ def onednn_linear(
 
 class SwitchableLinear(torch.nn.Linear):
     """An nn.Linear whose product runs the GEMM ``gemm`` names: "" (F.linear), "+wm" (2 ..
-    WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T) or "+dnnl" (oneDNN on ``packed``, the weight
-    reordered). Same parameters, same output shape [..., out_features]."""
+    WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T), "+dnnl" (oneDNN on ``packed``, the weight
+    reordered) or "+bf16w" (bf16_weights.linear on ``packed``, the weight in bfloat16). Same
+    parameters, same output shape [..., out_features]."""
 
     gemm = ""
     packed: torch.Tensor | None = None
@@ -83,6 +100,8 @@ class SwitchableLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm == ONEDNN:
             return onednn_linear(x, self.packed, self.bias)
+        if self.gemm == BF16_WEIGHTS:
+            return bf16_weights.linear(x, self.packed, self.bias)
         rows = x.numel() // x.shape[-1]
         if self.gemm != WEIGHT_MAJOR or not 1 < rows <= WEIGHT_MAJOR_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
@@ -92,23 +111,33 @@ class SwitchableLinear(torch.nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def use(self, gemm: str, rows_hint: int, shared: bool) -> None:
-        """Switches to ``gemm``. Entering "+dnnl" reorders the weight for calls of about
-        ``rows_hint`` rows and, unless the weight is ``shared`` with another module, frees the
-        plain copy; leaving it restores the plain weight bitwise (a reorder only moves values)."""
-        if gemm == ONEDNN and self.packed is None:
+        """Switches to ``gemm``. Entering a PACKED GEMM makes its copy of the weight (reordered
+        for calls of about ``rows_hint`` rows, or cast to bfloat16) and, unless the weight is
+        ``shared`` with another module, frees the plain one; leaving it restores the plain
+        weight bitwise (a reorder only moves values; a bfloat16 copy is only made of weights
+        that are bfloat16 values)."""
+        if self.packed is not None and gemm != self.gemm:
+            self.weight.data = self.plain_weight()
+            self.packed = None
+        if gemm in PACKED and self.packed is None:
             weight = self.weight.detach()
-            self.packed = onednn_reorder(weight, rows_hint)
+            if gemm == ONEDNN:
+                self.packed = onednn_reorder(weight, rows_hint)
+            else:
+                self.packed = weight.to(torch.bfloat16)
             if not shared:
                 self.weight.data = weight.new_empty(0)
-        elif gemm != ONEDNN and self.packed is not None:
-            if self.weight.numel() == 0:
-                self.weight.data = self.packed.to_dense()
-            self.packed = None
         self.gemm = gemm
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight [out, in] in the model's dtype, rebuilt from ``packed`` if it was freed."""
+        if self.packed is None or self.weight.numel():
+            return self.weight.detach()
+        return self.packed.to_dense() if self.gemm == ONEDNN else self.packed.float()
 
 
 def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
-    """Runs the model's linear layers on ``gemm`` ("", WEIGHT_MAJOR or ONEDNN), in place.
+    """Runs the model's linear layers on ``gemm`` (one of GEMMS), in place.
 
     Any gemm but "" first makes every plain nn.Linear a SwitchableLinear (same parameters);
     "" never changes a class, so a model that never switched keeps plain nn.Linear layers (which
@@ -119,15 +148,20 @@ def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
     Args:
         rows_hint: the row count ONEDNN's reorder is tuned for (a target: k_max + 1).
     Raises:
-        ValueError: an unknown gemm, or ONEDNN in a dtype onednn_available refuses.
+        ValueError: an unknown gemm; ONEDNN in a dtype onednn_available refuses; BF16_WEIGHTS
+            where bf16_weights.available() is False, on a model not in float32, or on one with
+            a weight that is not all bfloat16 values (its name is given). The model is left as
+            it was.
     """
-    if gemm not in ("", WEIGHT_MAJOR, ONEDNN):
-        raise ValueError(f"gemm must be '', {WEIGHT_MAJOR!r} or {ONEDNN!r}, got {gemm!r}")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {list(GEMMS)}, got {gemm!r}")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if gemm == ONEDNN and not onednn_available(dtype):
         raise ValueError(
             f"{ONEDNN} in {dtype}: this torch build or CPU has no oneDNN {dtype} inner product"
         )
+    if gemm == BF16_WEIGHTS:
+        _check_bf16_weights(model, dtype)
     holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
         if gemm and type(module) is torch.nn.Linear:
@@ -136,10 +170,30 @@ def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
             module.use(gemm, rows_hint, shared=holders[id(module.weight)] > 1)
 
 
+def _check_bf16_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Raises ValueError unless BF16_WEIGHTS can run ``model`` without changing its output."""
+    if dtype != torch.float32:
+        raise ValueError(f"{BF16_WEIGHTS} runs a float32 model, this one is {dtype}")
+    if not bf16_weights.available():
+        raise ValueError(
+            f"{BF16_WEIGHTS}: the bfloat16-weight kernel needs an x86-64 CPU with AVX2 and FMA "
+            "and a C++ compiler to build it (the log says what failed)"
+        )
+    for name, module in model.named_modules():
+        switched = isinstance(module, SwitchableLinear)
+        if switched or type(module) is torch.nn.Linear:
+            weight = module.plain_weight() if switched else module.weight.detach()
+            if not bf16_weights.representable(weight):
+                raise ValueError(
+                    f"{BF16_WEIGHTS}: {name}.weight has values that are not bfloat16, so "
+                    "storing it in bfloat16 would change the model"
+                )
+
+
 def split_candidate(candidate: str) -> tuple[str, str]:
     """("float32", "+wm") for "float32+wm", ("bfloat16", "") for "bfloat16": the dtype and
     the GEMM suffix."""
-    for suffix in (WEIGHT_MAJOR, ONEDNN):
+    for suffix in (WEIGHT_MAJOR, *PACKED):
         if candidate.endswith(suffix):
             return candidate.removesuffix(suffix), suffix
     return candidate, ""

@@ -115,13 +115,16 @@ def save_pair(
     seed: int = 0,
     vocab_size: int = 320,
     word_level: bool = False,
+    dtype: str = "float32",
 ) -> tuple[Path, Path]:
-    """Writes (draft_dir, target_dir) as Hugging Face directories and returns them."""
+    """Writes (draft_dir, target_dir) as Hugging Face directories, weights in ``dtype``
+    ("bfloat16": stored like the bundled pair, so loading in float32 gives weights that are all
+    bfloat16 values), and returns them."""
     tokenizer = build_word_tokenizer(vocab_size) if word_level else build_tokenizer(vocab_size)
     target = build_model(tokenizer, seed=seed, context_limit=context_limit, pad_vocab=pad_vocab)
     draft = perturbed_copy(target, seed=seed + 1, noise=noise)
     paths = root / "draft", root / "target"
     for model, path in zip((draft, target), paths):
-        model.save_pretrained(path)
+        model.to(getattr(torch, dtype)).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return paths

@@ -62,24 +62,27 @@ def say(text: str) -> None:
 
 def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
     """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU;
-    with ``gemms``, on a CPU also each on oneDNN's reordered weights where the CPU has it
-    ("float32+dnnl", "bfloat16+dnnl": the service's GEMM candidates, specdec.models.gemm), so
-    that a speedup over it is speculation's alone."""
+    with ``gemms``, on a CPU also the service's GEMM candidates where the CPU has them (each
+    dtype on oneDNN's reordered weights, "float32+dnnl" and "bfloat16+dnnl", and float32 on
+    bfloat16-stored weights, "float32+bf16w": specdec.models.gemm), so that a speedup over it
+    is speculation's alone."""
     if device.startswith("cuda"):
         return ["bfloat16", "float16"]
     dtypes = ["float32", "bfloat16"]
     if not gemms:
         return dtypes
-    from specdec.models.gemm import onednn_candidate
+    from specdec.models.gemm import bf16_weights_candidate, onednn_candidate
 
-    return dtypes + [c for d in dtypes for c in onednn_candidate(d)]
+    return dtypes + [c for d in dtypes for c in onednn_candidate(d)] + bf16_weights_candidate()
 
 
 def dtype_bytes(candidate: str) -> int:
-    """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl": bfloat16's 2)."""
-    from specdec.models.gemm import split_candidate
+    """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl" and "float32+bf16w":
+    bfloat16's 2)."""
+    from specdec.models.gemm import BF16_WEIGHTS, split_candidate
 
-    return DTYPE_BYTES.get(split_candidate(candidate)[0], 4)
+    base, gemm = split_candidate(candidate)
+    return DTYPE_BYTES["bfloat16"] if gemm == BF16_WEIGHTS else DTYPE_BYTES.get(base, 4)
 
 
 def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_tokens: int) -> float:

@@ -127,7 +127,7 @@ def test_a_bad_value_is_refused_naming_the_setting(key, value):
     assert isinstance(err.value, ValueError)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float32+dnnl"])
+@pytest.mark.parametrize("dtype", ["int8", "float32+dnnl", "float32+bf16w"])
 @pytest.mark.parametrize("dtype_key", ["dtype", "draft_dtype"])
 def test_cpu_only_dtypes_off_the_cpu_are_refused(dtype_key, dtype):
     with pytest.raises(ConfigError) as err:
@@ -209,10 +209,10 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
     from specdec.models.calibration import AUTO
-    from specdec.models.gemm import ONEDNN, WEIGHT_MAJOR
+    from specdec.models.gemm import BF16_WEIGHTS, ONEDNN, WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
-    gemms = {"float32" + WEIGHT_MAJOR, "float32" + ONEDNN, "bfloat16" + ONEDNN}
+    gemms = {"float32" + g for g in (WEIGHT_MAJOR, ONEDNN, BF16_WEIGHTS)} | {"bfloat16" + ONEDNN}
     assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | gemms
 
 

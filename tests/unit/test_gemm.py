@@ -13,9 +13,11 @@ import torch
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.models.calibration import calibrate, candidate_dtypes
 from specdec.models.gemm import (
+    BF16_WEIGHTS,
     ONEDNN,
     WEIGHT_MAJOR,
     SwitchableLinear,
+    bf16_weights_candidate,
     onednn_available,
     set_gemm,
     split_candidate,
@@ -24,9 +26,12 @@ from specdec.models.loading import load_model
 from specdec.pairs.tiny import PROMPTS
 
 GEMMS = [WEIGHT_MAJOR, ONEDNN] if onednn_available() else [WEIGHT_MAJOR]
-# Every GEMM candidate this build and CPU run: bfloat16+dnnl needs oneDNN's bfloat16 kernels
-SWITCHED = ["float32" + g for g in GEMMS] + (
-    ["bfloat16" + ONEDNN] if onednn_available(torch.bfloat16) else []
+# Every GEMM candidate this build and CPU run: bfloat16+dnnl needs oneDNN's bfloat16 kernels,
+# float32+bf16w the bfloat16-weight kernel (and weights that are bfloat16 values)
+SWITCHED = (
+    ["float32" + g for g in GEMMS]
+    + (["bfloat16" + ONEDNN] if onednn_available(torch.bfloat16) else [])
+    + bf16_weights_candidate()
 )
 
 
@@ -35,7 +40,7 @@ def test_a_switched_linear_computes_the_same_product(candidate):
     base, gemm = split_candidate(candidate)
     dtype = getattr(torch, base)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(48, 40).to(dtype)
+    layer = torch.nn.Linear(48, 40).to(torch.bfloat16).to(dtype)  # bfloat16 values: bf16w
     model = torch.nn.Sequential(layer)
     inputs = {w: torch.randn(1, w, 48, dtype=dtype) for w in (1, 3, 16, 100)}
     plain = {w: layer(x) for w, x in inputs.items()}
@@ -45,11 +50,12 @@ def test_a_switched_linear_computes_the_same_product(candidate):
     for width, x in inputs.items():
         out = layer(x)
         assert out.shape == plain[width].shape == (1, width, 40) and out.dtype == dtype
-        # bfloat16 keeps 8 bits of mantissa: one rounding step apart at most
+        # bfloat16 keeps 8 bits of mantissa: one rounding step apart at most (float32+bf16w
+        # multiplies float32 activations by the same weights: float32 rounding)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out, plain[width], rtol=tolerance, atol=tolerance)
     set_gemm(model, "")
-    assert torch.equal(layer.weight, weight)  # oneDNN's reorder is undone bitwise
+    assert torch.equal(layer.weight, weight)  # a reorder or a bfloat16 copy is undone bitwise
     for width, x in inputs.items():
         assert torch.equal(layer(x), plain[width])  # F.linear again, bitwise
 
@@ -106,6 +112,7 @@ def test_onednn_bfloat16_is_not_offered_where_the_cpu_lacks_it():
         "from specdec.models.gemm import onednn_available, set_gemm\n"
         "assert not onednn_available(torch.bfloat16)\n"
         "assert 'bfloat16+dnnl' not in candidate_dtypes('target', 'cpu')\n"
+        "print(candidate_dtypes('target', 'cpu'))\n"
         "model = torch.nn.Sequential(torch.nn.Linear(8, 8)).bfloat16()\n"
         "try:\n"
         "    set_gemm(model, '+dnnl')\n"
@@ -118,12 +125,17 @@ def test_onednn_bfloat16_is_not_offered_where_the_cpu_lacks_it():
     )
     assert done.returncode == 0, done.stderr
     assert "+dnnl in torch.bfloat16" in done.stdout and "no oneDNN" in done.stdout
+    # the bfloat16-weight kernel is AVX2 code of its own: an AVX2-only CPU keeps it
+    assert ("'float32+bf16w'" in done.stdout) == bool(bf16_weights_candidate())
 
 
 @pytest.fixture(scope="module", params=SWITCHED)
-def switched_target(request, tiny_pair):
-    """The tiny target calibrated as one GEMM candidate alone."""
-    loaded = load_model(str(tiny_pair[1]), dtype=split_candidate(request.param)[0])
+def switched_target(request):
+    """The tiny target calibrated as one GEMM candidate alone (float32+bf16w: stored in
+    bfloat16, as it needs)."""
+    base, gemm = split_candidate(request.param)
+    pair = request.getfixturevalue("tiny_pair_bf16" if gemm == BF16_WEIGHTS else "tiny_pair")
+    loaded = load_model(str(pair[1]), dtype=base)
     return calibrate(loaded, "target", [request.param], max_speculative_tokens=4, automatic=False)
 
 

@@ -7,6 +7,7 @@ import torch
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
+from specdec.models.gemm import bf16_weights_candidate
 from specdec.models.loading import load_model
 from specdec.pairs.tiny import PROMPTS
 
@@ -170,12 +171,14 @@ def test_int8_on_a_gpu_is_refused(tiny_pair):
         load_model(tiny_pair[0], dtype="int8", device="cuda")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(tiny_pair, dtype):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", *bf16_weights_candidate()])
+def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, dtype):
     # The rebuild replays the prompt's prefill as one forward and the rest in exact widths, so
     # the rebuilt cache is bitwise the lost one: token ids and logprobs equal the undisturbed
     # run's, in half precision too (where a plain forward over the prefix changed them).
-    draft, target = tiny_pair
+    # float32+bf16w needs weights that are bfloat16 values: the pair stored in bfloat16.
+    pair = "tiny_pair_bf16" if dtype in bf16_weights_candidate() else "tiny_pair"
+    draft, target = request.getfixturevalue(pair)
     built = SpeculativeEngine.from_pretrained(draft, target, dtype=dtype)
     verifier = built.transport.verifier
     rebuilds = verifier.sessions.rebuilds

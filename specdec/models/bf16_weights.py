@@ -1,0 +1,119 @@
+"""float32 arithmetic on bfloat16-stored weights: the kernel of the "+bf16w" GEMM.
+
+A one-row linear layer on a CPU is bound by reading its weight, and a verify of a few rows is
+still close to that; float32 weights cost twice bfloat16's bytes, while bfloat16 arithmetic
+rounds every activation and, without AVX-512 BF16 or AMX, is emulated and compute-bound from
+two rows on (a 13-row bfloat16 forward of the bundled target cost ten times a one-row one on
+the 2-core AVX2 EPYC). This kernel (csrc/bf16_weights.cpp) reads bfloat16 weights, widens
+them exactly and multiplies in float32, so on a model whose checkpoint is bfloat16 (every
+bundled model: they are stored in bfloat16 and float32 is an exact upcast) it computes the
+float32 model at half the weight bytes. Each output element is one dot product in a fixed
+order whatever the call's row count, so every width rounds a row the same way.
+
+Measured on the 2-core AVX-512 BF16 EPYC emulating the AVX2-only one (``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2``), Qwen2.5-1.5B's MLP projections (8960 x 1536 and back, 28 distinct
+layers in turn, so weights come from memory), milliseconds per call at 1 / 4 / 8 / 17 rows:
+this kernel 0.62-0.79 / 0.96-1.3 / 1.4-1.8 / 2.5-2.9, oneDNN float32 on reordered weights
+(``float32+dnnl``) 1.0-1.4 / 1.4-1.7 / 1.8-2.0 / 2.7-2.9, bfloat16 ``F.linear`` 0.52-0.70 /
+1.8-2.1 / 3.8-4.0 / 7.3-8.3.
+
+The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja,
+about 15 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
+under a name that includes a hash of the source and the torch version; later processes load
+the built library directly. ``python -m specdec.models.bf16_weights`` builds it ahead (``make
+install`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "bf16_weights.cpp"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def _library_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__} {CFLAGS}".encode())
+    return f"specdec_bf16w_{digest.hexdigest()[:12]}"
+
+
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+    return Path(root).expanduser() / name
+
+
+@functools.cache
+def load() -> None:
+    """Registers torch.ops.specdec.linear_bf16w, building the extension if this source and torch
+    version have no built library yet.
+
+    Raises:
+        RuntimeError, OSError, ImportError: the build failed (no compiler, no ninja) or the
+            library would not load; the message says which.
+    """
+    name = _library_name()
+    library = _build_dir(name) / f"{name}.so"
+    if library.exists():
+        # Loading the built file directly skips cpp_extension's build lock, which a process
+        # killed while holding it would leave behind for every later one to wait on.
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    log.info("building the bfloat16-weight kernel %s (once per source and torch version)", name)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(library.parent),
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("built %s in %.1f s", library, time.perf_counter() - start)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here: an x86-64 CPU with AVX2 and FMA (whatever
+    ``ATEN_CPU_CAPABILITY`` says: the kernel is its own code) and an extension that builds and
+    loads. Checked once per process; a failure is logged with its reason."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        load()
+    except (RuntimeError, OSError, ImportError) as err:
+        log.warning("bfloat16-weight kernel unavailable: %s", err)
+        return False
+    return bool(torch.ops.specdec.bf16w_cpu_supported())
+
+
+def representable(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 ``weight`` is a bfloat16, so that storing it in
+    bfloat16 loses nothing."""
+    return torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (float32) @ weight^T (+ bias) -> [..., out] (float32), with ``weight``
+    [out, in] in bfloat16 and ``bias`` [out] in float32; every row of x gives bitwise the same
+    result whatever the row count. load() must have succeeded (available())."""
+    return torch.ops.specdec.linear_bf16w(x, weight, bias)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    raise SystemExit(0 if available() else 1)
