@@ -42,7 +42,9 @@ SOURCE = Path(__file__).parent / "csrc" / "bf16_weights.cpp"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
-def _library_name() -> str:
+def library_name() -> str:
+    """The extension's name: specdec_bf16w_ and a hash of the source, the torch version and
+    the compiler flags, so that a changed kernel is built (and measured) anew."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(f"{torch.__version__} {CFLAGS}".encode())
     return f"specdec_bf16w_{digest.hexdigest()[:12]}"
@@ -62,7 +64,7 @@ def load() -> None:
         RuntimeError, OSError, ImportError: the build failed (no compiler, no ninja) or the
             library would not load; the message says which.
     """
-    name = _library_name()
+    name = library_name()
     library = _build_dir(name) / f"{name}.so"
     if library.exists():
         # Loading the built file directly skips cpp_extension's build lock, which a process

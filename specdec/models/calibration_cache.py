@@ -7,8 +7,10 @@ kernels that run them, not on the weights' values. The key therefore holds the a
 (the model config), the settings that shape the measurement (role, candidate dtypes, k_max,
 exact widths on or off, the batch size a target's widths are priced for), the device as
 describe_device words it (CPU model, ISA flags, the kernel level PyTorch dispatches to,
-oneDNN's ISA cap, threads), the torch and transformers versions, the measurement's constants
-and FORMAT. Anything else that changes what a measurement means must bump FORMAT.
+oneDNN's ISA cap, threads), the torch and transformers versions, the build of specdec's own
+bfloat16-weight kernel where "float32+bf16w" is a candidate (its library name hashes the
+source), the measurement's constants and FORMAT. Anything else that changes what a measurement
+means must bump FORMAT.
 
 A reused calibration still checks its exact widths on the loaded model before it is trusted
 (specdec.models.calibration.load_calibrated): exactness is the product, timings only a choice.
@@ -31,9 +33,11 @@ from typing import Any
 import torch
 import transformers
 
+from specdec.models import bf16_weights
 from specdec.models import calibration as measurement
 from specdec.models.calibration import Calibration, DtypeMeasurement, ExactWidths
 from specdec.models.device import describe_device
+from specdec.models.gemm import BF16_WEIGHTS, split_candidate
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,9 @@ class CalibrationCache:
             "device": describe_device(device),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "kernels": [bf16_weights.library_name()]
+            if any(split_candidate(d)[1] == BF16_WEIGHTS for d in dtypes)
+            else [],
         }
         text = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()

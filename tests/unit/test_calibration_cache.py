@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.models import calibration, calibration_cache
+from specdec.models import bf16_weights, calibration, calibration_cache
 from specdec.models.calibration import load_calibrated
 from specdec.models.calibration_cache import CACHE_ENV, DEFAULT_DIR, CalibrationCache
 from specdec.models.fixed_shape import ROW_WISE_ATTENTION
@@ -192,6 +192,12 @@ def test_the_key_holds_what_decides_a_calibration(tiny_pair, tmp_path, monkeypat
     assert key() == base
     monkeypatch.setattr(calibration_cache, "describe_device", lambda device: "another cpu")
     assert key() != base
+    monkeypatch.undo()
+    # specdec's own kernel: a changed source is another build, measured anew
+    with_bf16w = key(dtypes=["float32", "float32+bf16w"])
+    monkeypatch.setattr(bf16_weights, "library_name", lambda: "specdec_bf16w_another")
+    assert key(dtypes=["float32", "float32+bf16w"]) != with_bf16w
+    assert key() == base  # only where the candidate is tried
 
 
 def test_the_setting_names_the_folder(monkeypatch, tmp_path):
