@@ -11,11 +11,13 @@ float32 model at half the weight bytes. Each output element is one dot product i
 order whatever the call's row count, so every width rounds a row the same way.
 
 Measured on the 2-core AVX-512 BF16 EPYC emulating the AVX2-only one (``ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2``), Qwen2.5-1.5B's MLP projections (8960 x 1536 and back, 28 distinct
-layers in turn, so weights come from memory), milliseconds per call at 1 / 4 / 8 / 17 rows:
-this kernel 0.62-0.79 / 0.96-1.3 / 1.4-1.8 / 2.5-2.9, oneDNN float32 on reordered weights
-(``float32+dnnl``) 1.0-1.4 / 1.4-1.7 / 1.8-2.0 / 2.7-2.9, bfloat16 ``F.linear`` 0.52-0.70 /
-1.8-2.1 / 3.8-4.0 / 7.3-8.3.
+ONEDNN_MAX_CPU_ISA=AVX2 python -m specdec.tools.gemm_bench --rows 1,4,8,17 --layers 28``: 28
+distinct weights in turn, so they come from memory), milliseconds per call at 1 / 4 / 8 / 17
+rows of Qwen2.5-1.5B's MLP projections, 8960 x 1536 and 1536 x 8960: this kernel 0.66 / 0.80 /
+1.55 / 2.64 and 0.64 / 0.71 / 1.28 / 2.65; oneDNN float32 on reordered weights
+(``float32+dnnl``) 0.92 / 1.17 / 1.75 / 2.44 and 1.29 / 1.19 / 1.52 / 2.33. bfloat16
+``F.linear`` (timed apart the same way) took 0.52-0.70 at one row but 1.8-2.1 at 4 and 7.3-8.3
+at 17.
 
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja,
 about 15 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
