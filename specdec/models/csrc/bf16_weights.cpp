@@ -22,8 +22,7 @@ namespace {
 
 constexpr int64_t kChunk = 16;  // k values one step of the inner loop consumes
 constexpr int kRowsN = 4;       // weight rows (outputs) per tile
-constexpr int kRowsM = 2;       // activation rows per tile past kOnePass rows
-constexpr int kOnePass = 4;     // calls of up to this many rows read each weight tile once
+constexpr int kRowsM = 2;       // activation rows per tile in calls of more than 4 rows
 // Weights are prefetched this many values ahead of the loads: on the 2-core AVX2-emulating EPYC
 // it cut a 4-row call of Qwen2.5-1.5B's 8960 x 1536 projection from 1.30 ms to 0.85 (256
 // values ahead: 0.83, 1024: 0.95; the 1536 x 8960 one preferred 1024, 512 was near both bests).
@@ -83,12 +82,12 @@ at::Tensor split_even_odd(const at::Tensor& x) {
   return out;
 }
 
-// All M rows against NB weight rows: a verify's few rows in one pass over the weights, more
-// rows kRowsM at a time (the tile then comes from cache after the first pass).
+// All M rows against NB weight rows: a verify's 1-4 rows in one pass over the weights (4-row
+// tiles past that spilled registers: 8-17 rows ran 10-25% slower), more rows kRowsM at a time
+// (the tile then comes from cache after the first pass).
 template <int NB>
 inline void tile_column(const float* x, const uint16_t* w, float* y, int64_t M, int64_t k_chunks,
                         int64_t K, int64_t N) {
-  static_assert(kOnePass == 4, "the switch below covers 1 .. kOnePass rows");
   switch (M) {
     case 1: return tile<NB, 1>(x, w, y, k_chunks, K, N);
     case 2: return tile<NB, 2>(x, w, y, k_chunks, K, N);
@@ -109,6 +108,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(input.size(-1) == K, "linear_bf16w: input has ", input.size(-1),
               " features, weight expects ", K);
+  const at::Tensor bias_f = bias.has_value() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias_f.defined() || (bias_f.scalar_type() == at::kFloat && bias_f.numel() == N),
+              "linear_bf16w: bias must be float32 with ", N, " values");
   const at::Tensor x2 = input.reshape({-1, K}).contiguous();
   const at::Tensor w = weight.contiguous();
   const int64_t M = x2.size(0), k_chunks = K / kChunk;
@@ -125,10 +127,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   for (int64_t n = blocks * kRowsN; n < N; ++n)
     tile_column<1>(xp, wp + n * K, yp + n, M, k_chunks, K, N);
   const int64_t whole = k_chunks * kChunk;
-  if (whole < K || bias.has_value()) {
-    const at::Tensor bias_f = bias.has_value() ? bias->contiguous() : at::Tensor();
-    TORCH_CHECK(!bias_f.defined() || (bias_f.scalar_type() == at::kFloat && bias_f.numel() == N),
-                "linear_bf16w: bias must be float32 with ", N, " values");
+  if (whole < K || bias_f.defined()) {
     const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) {
