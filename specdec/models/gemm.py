@@ -12,11 +12,12 @@ with the chosen GEMM, like everything else):
   otherwise. The Xeon above: 3.0-3.9 ms at every width 2-16.
 - ``float32+dnnl``: oneDNN's inner product on a weight reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
-  freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.tools.gemm_bench`)
-  the projection took 3.9 ms at 1 row and 6.3 ms at 13 against F.linear's 5.2 and 16.6, every
-  width 1-17 rounding a row the same way; the 151936-row lm_head took 112 ms at 13 rows against
-  343-397 ms. The reordered weight replaces the plain one (same bytes), except where another
-  module shares it (a tied lm_head keeps the embedding's and adds its reordered copy).
+  freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.tools.gemm_bench
+  --layers 1`) the projection took 3.9 ms at 1 row and 6.3 ms at 13 against F.linear's 5.2 and
+  16.6, every width 1-17 rounding a row the same way; the 151936-row lm_head took 112 ms at 13
+  rows against 343-397 ms. The reordered weight replaces the plain one (same bytes), except
+  where another module shares it (a tied lm_head keeps the embedding's and adds its reordered
+  copy).
 - ``bfloat16+dnnl``: the same in bfloat16, where oneDNN has a bfloat16 inner product for the CPU
   (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; onednn_available says). F.linear's bfloat16 path reads
   the plain weight on every call. On a 2-core AVX-512 BF16 EPYC, one layer's MLP of
