@@ -10,14 +10,20 @@ bundled model: they are stored in bfloat16 and float32 is an exact upcast) it co
 float32 model at half the weight bytes. Each output element is one dot product in a fixed
 order whatever the call's row count, so every width rounds a row the same way.
 
+The weight is packed once (pack()): pairs of output rows interleaved in 16-value chunks, so each
+thread reads one sequential stream, and each pass over a pair widens its weights once for up to
+4 activation rows.
+
 Measured on the 2-core AVX-512 BF16 EPYC emulating the AVX2-only one (``ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2 python -m specdec.tools.gemm_bench --rows 1,4,8,17 --layers 28``: 28
-distinct weights in turn, so they come from memory), milliseconds per call at 1 / 4 / 8 / 17
-rows of Qwen2.5-1.5B's MLP projections, 8960 x 1536 and 1536 x 8960: this kernel 0.66 / 0.80 /
-1.55 / 2.64 and 0.64 / 0.71 / 1.28 / 2.65; oneDNN float32 on reordered weights
-(``float32+dnnl``) 0.92 / 1.17 / 1.75 / 2.44 and 1.29 / 1.19 / 1.52 / 2.33. bfloat16
-``F.linear`` (timed apart the same way) took 0.52-0.70 at one row but 1.8-2.1 at 4 and 7.3-8.3
-at 17.
+ONEDNN_MAX_CPU_ISA=AVX2 python -m specdec.tools.gemm_bench --shape 8960x1536 --rows
+1,2,3,4,5,8,17 --layers 28``, then ``--shape 1536x8960``: 28 distinct weights in turn, so they
+come from memory), milliseconds per call at 1 / 2 / 4 / 8 / 17 rows of Qwen2.5-1.5B's MLP
+projections, 8960 x 1536 and 1536 x 8960: this kernel 0.57 / 0.57 / 0.57 / 1.07 / 2.38 and 0.43
+/ 0.46 / 0.64 / 1.07 / 2.46; oneDNN float32 on reordered weights (``float32+dnnl``) 1.26 / 1.46
+/ 1.58 / 1.51 / 2.38 and 0.93 / 1.06 / 1.54 / 1.78 / 2.69. Before packing (four separate weight
+rows per tile) the kernel took 0.66 / 0.80 at 1 / 4 rows of the first. The host's memory
+bandwidth moves by up to 1.8x from minute to minute, so compare columns of one run. bfloat16
+``F.linear`` (timed apart) took 0.52-0.70 at one row but 1.8-2.1 at 4 and 7.3-8.3 at 17.
 
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja,
 about 15 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "bf16_weights.cpp"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+CHUNK = 16  # k values per step of the kernel's inner loop
+PAIR = 2  # output rows per packed block
 
 
 def library_name() -> str:
@@ -111,11 +119,40 @@ def representable(weight: torch.Tensor) -> bool:
     return torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] (float32) @ weight^T (+ bias) -> [..., out] (float32), with ``weight``
-    [out, in] in bfloat16 and ``bias`` [out] in float32; every row of x gives bitwise the same
-    result whatever the row count. load() must have succeeded (available())."""
-    return torch.ops.specdec.linear_bf16w(x, weight, bias)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of ``weight`` [out, in] (bfloat16 values): a bfloat16 tensor
+    [ceil(out / 2), ceil(in / 16), 2, 16] holding each pair of output rows as one stream of
+    16-value chunks, zero-padded (the padding adds exact zeros to every sum, whatever the
+    width). Lossless for a weight of bfloat16 values (representable)."""
+    out_features, in_features = weight.shape
+    padded = torch.nn.functional.pad(
+        weight.detach().to(torch.bfloat16),
+        (0, -in_features % CHUNK, 0, out_features % PAIR),
+    )
+    rows, cols = padded.shape
+    return padded.reshape(rows // PAIR, PAIR, cols // CHUNK, CHUNK).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The weight [out_features, in_features] in float32 that pack() packed."""
+    blocks, chunks = packed.shape[:2]
+    plain = packed.transpose(1, 2).reshape(blocks * PAIR, chunks * CHUNK)
+    return plain[:out_features, :in_features].float().contiguous()
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] (float32) @ weight^T (+ bias) -> [..., out_features] (float32), with the
+    weight [out_features, in] given as pack(weight) and ``bias`` [out_features] in float32;
+    every row of x gives bitwise the same result whatever the row count. load() must have
+    succeeded (available()).
+
+    Raises:
+        RuntimeError: operands of the wrong dtype, a weight not from pack(), or sizes that do
+            not match (the message names which).
+    """
+    return torch.ops.specdec.linear_bf16w(x, packed, out_features, bias)
 
 
 if __name__ == "__main__":

@@ -92,8 +92,8 @@ def onednn_linear(
 class SwitchableLinear(torch.nn.Linear):
     """An nn.Linear whose product runs the GEMM ``gemm`` names: "" (F.linear), "+wm" (2 ..
     WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T), "+dnnl" (oneDNN on ``packed``, the weight
-    reordered) or "+bf16w" (bf16_weights.linear on ``packed``, the weight in bfloat16). Same
-    parameters, same output shape [..., out_features]."""
+    reordered) or "+bf16w" (bf16_weights.linear on ``packed``, the weight in bfloat16 in the
+    kernel's layout). Same parameters, same output shape [..., out_features]."""
 
     gemm = ""
     packed: torch.Tensor | None = None
@@ -102,7 +102,7 @@ class SwitchableLinear(torch.nn.Linear):
         if self.gemm == ONEDNN:
             return onednn_linear(x, self.packed, self.bias)
         if self.gemm == BF16_WEIGHTS:
-            return bf16_weights.linear(x, self.packed, self.bias)
+            return bf16_weights.linear(x, self.packed, self.out_features, self.bias)
         rows = x.numel() // x.shape[-1]
         if self.gemm != WEIGHT_MAJOR or not 1 < rows <= WEIGHT_MAJOR_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
@@ -113,9 +113,9 @@ class SwitchableLinear(torch.nn.Linear):
 
     def use(self, gemm: str, rows_hint: int, shared: bool) -> None:
         """Switches to ``gemm``. Entering a PACKED GEMM makes its copy of the weight (reordered
-        for calls of about ``rows_hint`` rows, or cast to bfloat16) and, unless the weight is
+        for calls of about ``rows_hint`` rows, or packed in bfloat16) and, unless the weight is
         ``shared`` with another module, frees the plain one; leaving it restores the plain
-        weight bitwise (a reorder only moves values; a bfloat16 copy is only made of weights
+        weight bitwise (a reorder only moves values; a bfloat16 packing is only made of weights
         that are bfloat16 values)."""
         if self.packed is not None and gemm != self.gemm:
             self.weight.data = self.plain_weight()
@@ -125,7 +125,7 @@ class SwitchableLinear(torch.nn.Linear):
             if gemm == ONEDNN:
                 self.packed = onednn_reorder(weight, rows_hint)
             else:
-                self.packed = weight.to(torch.bfloat16)
+                self.packed = bf16_weights.pack(weight)
             if not shared:
                 self.weight.data = weight.new_empty(0)
         self.gemm = gemm
@@ -134,7 +134,9 @@ class SwitchableLinear(torch.nn.Linear):
         """The weight [out, in] in the model's dtype, rebuilt from ``packed`` if it was freed."""
         if self.packed is None or self.weight.numel():
             return self.weight.detach()
-        return self.packed.to_dense() if self.gemm == ONEDNN else self.packed.float()
+        if self.gemm == ONEDNN:
+            return self.packed.to_dense()
+        return bf16_weights.unpack(self.packed, self.out_features, self.in_features)
 
 
 def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:

@@ -75,8 +75,9 @@ def paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[i
         packed = [onednn_reorder(w, x.shape[0]) for w in weights]
         calls["onednn-packed"] = lambda i: onednn_linear(x, packed[i])
     if x.dtype == torch.float32 and bf16_weights.available():
-        halves = [w.to(torch.bfloat16) for w in weights]
-        calls["bf16-weights"] = lambda i: bf16_weights.linear(x, halves[i])
+        halves = [bf16_weights.pack(w) for w in weights]
+        out_features = weights[0].shape[0]
+        calls["bf16-weights"] = lambda i: bf16_weights.linear(x, halves[i], out_features)
     return calls
 
 

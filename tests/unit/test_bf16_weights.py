@@ -39,13 +39,17 @@ def _bf16_valued(*shape: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_row_is_the_one_row_result_bitwise_at_every_width(shape):
     out_features, in_features = shape
-    weight, bias = _bf16_valued(*shape), torch.randn(out_features)
+    packed, bias = bf16_weights.pack(_bf16_valued(*shape)), torch.randn(out_features)
     x = torch.randn(20, in_features)
-    alone = torch.cat([bf16_weights.linear(x[i : i + 1], weight, bias) for i in range(20)])
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return bf16_weights.linear(rows, packed, out_features, bias)
+
+    alone = torch.cat([product(x[i : i + 1]) for i in range(20)])
     for width in range(1, 21):
-        assert torch.equal(bf16_weights.linear(x[:width], weight, bias), alone[:width]), width
+        assert torch.equal(product(x[:width]), alone[:width]), width
     # leading dimensions are rows too
-    batched = bf16_weights.linear(x.reshape(4, 5, in_features), weight, bias)
+    batched = product(x.reshape(4, 5, in_features))
     assert batched.shape == (4, 5, out_features)
     assert torch.equal(batched.reshape(20, out_features), alone)
 
@@ -59,21 +63,31 @@ def test_it_computes_the_float32_product_of_the_widened_weight(shape):
     scale = (x.abs().double() @ weight.abs().double().t()).max()
     for bias in (torch.randn(shape[0]), None):
         exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-        out = bf16_weights.linear(x, weight, bias)
+        out = bf16_weights.linear(x, bf16_weights.pack(weight), shape[0], bias)
         assert out.dtype == torch.float32 and out.shape == (7, shape[0])
         assert (out.double() - exact).abs().max() <= 1e-6 * scale
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_packing_is_lossless(shape):
+    weight = _bf16_valued(*shape, seed=2)
+    packed = bf16_weights.pack(weight.float())
+    assert packed.dtype == torch.bfloat16 and packed.shape[2:] == (2, 16)
+    assert torch.equal(bf16_weights.unpack(packed, *shape), weight.float())
+
+
 def test_bad_operands_are_refused_with_the_reason():
-    weight = _bf16_valued(8, 16)
+    packed = bf16_weights.pack(_bf16_valued(8, 16))
     with pytest.raises(RuntimeError, match="input must be float32"):
-        bf16_weights.linear(torch.randn(2, 16, dtype=torch.float64), weight)
-    with pytest.raises(RuntimeError, match="weight must be a 2-D bfloat16"):
-        bf16_weights.linear(torch.randn(2, 16), weight.float())
-    with pytest.raises(RuntimeError, match="input has 15 features, weight expects 16"):
-        bf16_weights.linear(torch.randn(2, 15), weight)
+        bf16_weights.linear(torch.randn(2, 16, dtype=torch.float64), packed, 8)
+    with pytest.raises(RuntimeError, match="weight must be packed by bf16_weights.pack"):
+        bf16_weights.linear(torch.randn(2, 16), _bf16_valued(8, 16), 8)
+    with pytest.raises(RuntimeError, match="17 features, the packed weight takes 1 to 16"):
+        bf16_weights.linear(torch.randn(2, 17), packed, 8)
+    with pytest.raises(RuntimeError, match="holds 8 outputs, not 10"):
+        bf16_weights.linear(torch.randn(2, 16), packed, 10)
     with pytest.raises(RuntimeError, match="bias must be float32 with 8 values"):
-        bf16_weights.linear(torch.randn(2, 16), weight, torch.randn(7))
+        bf16_weights.linear(torch.randn(2, 16), packed, 8, torch.randn(7))
 
 
 def _model_with_tied_head() -> torch.nn.ModuleList:
@@ -96,6 +110,7 @@ def test_switching_stores_bfloat16_and_switching_back_restores_the_weight_bitwis
     set_gemm(model, BF16_WEIGHTS)
     assert type(alone) is SwitchableLinear and alone.gemm == BF16_WEIGHTS
     assert alone.weight.numel() == 0 and alone.packed.dtype == torch.bfloat16  # half the bytes
+    assert torch.equal(alone.plain_weight(), weight)
     assert tied.weight is embedding.weight and tied.packed.dtype == torch.bfloat16  # still tied
     torch.testing.assert_close(alone(x), expected)
     set_gemm(model, WEIGHT_MAJOR)  # leaving it for another GEMM restores the plain weight

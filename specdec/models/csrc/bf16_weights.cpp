@@ -6,6 +6,13 @@
 // along k, then a fixed reduction of the lanes), whatever the number of rows, the blocking or the
 // thread that computes it: a row's result does not depend on the width of the call.
 //
+// The weight comes packed (specdec.models.bf16_weights.pack): [ceil(N / 2), ceil(K / 16), 2, 16],
+// zero-padded, so that each pair of output rows is one contiguous stream, chunk by chunk. A call
+// of a few rows is bound by reading the weight, and one sequential stream per thread is what the
+// hardware prefetcher follows best: on the 2-core AVX2-emulating EPYC, pairs of rows read 0.39 ms
+// for an 8960 x 1536 one-row call where four separate rows read 0.58 (a plain read of the same
+// bytes: 0.36); two or four streams per thread were slower than one.
+//
 // Built on first use by torch.utils.cpp_extension (specdec.models.bf16_weights), for x86-64 with
 // AVX2 and FMA, into torch.ops.specdec.
 
@@ -14,19 +21,18 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
 constexpr int64_t kChunk = 16;  // k values one step of the inner loop consumes
-constexpr int kRowsN = 4;       // weight rows (outputs) per tile
-constexpr int kRowsM = 2;       // activation rows per tile in calls of more than 4 rows
-// Weights are prefetched this many values ahead of the loads: on the 2-core AVX2-emulating EPYC
-// it cut a 4-row call of Qwen2.5-1.5B's 8960 x 1536 projection from 1.30 ms to 0.85 (256
-// values ahead: 0.83, 1024: 0.95; the 1536 x 8960 one preferred 1024, 512 was near both bests).
-constexpr int64_t kPrefetch = 512;
+constexpr int kPair = 2;        // output rows per packed block
+constexpr int kMaxRows = 4;     // activation rows per pass over a block (14 of 16 registers)
+// Weights are prefetched this many values ahead in the block stream (8 KiB): 2048 and 4096 were
+// near-best for the 8960 x 1536 and 1536 x 8960 projections from 1 to 8 rows, 1024 lost 10-60%
+// from 2 rows on.
+constexpr int64_t kPrefetch = 4096;
 
 inline float reduce_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -35,112 +41,109 @@ inline float reduce_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Sixteen bfloat16 weights load as eight 32-bit words: the even ones widen by a shift, the odd
-// ones by masking the low half, so x is stored in the same even/odd order (split_even_odd).
-template <int NB, int MB>
-inline void tile(const float* x, const uint16_t* w, float* y, int64_t k_chunks, int64_t K,
-                 int64_t N) {
+// MB activation rows against one block (two output rows). Sixteen bfloat16 weights load as eight
+// 32-bit words: the even ones widen by a shift, the odd ones by masking the low half, so x is
+// stored in the same even/odd order (split_even_odd). Each weight is widened once per pass and
+// used by every row of the pass.
+template <int MB>
+inline void tile(const float* x, const uint16_t* block, float* y, int64_t chunks, int64_t Kp,
+                 int64_t N, int outputs) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[MB][NB];
+  __m256 acc[MB][kPair];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < k_chunks; ++c) {
+    for (int n = 0; n < kPair; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint16_t* w = block + c * kPair * kChunk;
+    // a prefetch past the end of the weight is harmless: prefetches never fault
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+    __m256 even[kPair], odd[kPair];
+    for (int n = 0; n < kPair; ++n) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * kChunk));
+      even[n] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[n] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
     const int64_t k = c * kChunk;
-    for (int n = 0; n < NB; ++n) {
-      // a prefetch past the end of the weight is harmless: prefetches never fault
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k + kPrefetch), _MM_HINT_T0);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      for (int m = 0; m < MB; ++m) {
-        acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), even, acc[m][n]);
-        acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), odd, acc[m][n]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xe = _mm256_loadu_ps(x + m * Kp + k), xo = _mm256_loadu_ps(x + m * Kp + k + 8);
+      for (int n = 0; n < kPair; ++n) {
+        acc[m][n] = _mm256_fmadd_ps(xe, even[n], acc[m][n]);
+        acc[m][n] = _mm256_fmadd_ps(xo, odd[n], acc[m][n]);
       }
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) y[m * N + n] = reduce_lanes(acc[m][n]);
+    for (int n = 0; n < outputs; ++n) y[m * N + n] = reduce_lanes(acc[m][n]);
 }
 
-// Rows of x with each 16-value chunk reordered to [x0 x2 .. x14 | x1 x3 .. x15]; the tail past
-// the last whole chunk is copied as it is.
-at::Tensor split_even_odd(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), whole = K / kChunk * kChunk;
-  at::Tensor out = at::empty_like(x);
-  const float* src = x.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* s = src + m * K;
-    float* d = dst + m * K;
-    for (int64_t k = 0; k < whole; k += kChunk)
-      for (int j = 0; j < kChunk / 2; ++j) {
-        d[k + j] = s[k + 2 * j];
-        d[k + kChunk / 2 + j] = s[k + 2 * j + 1];
-      }
-    for (int64_t k = whole; k < K; ++k) d[k] = s[k];
+// Every row of x against one block, in the fewest passes of at most kMaxRows rows, as even as
+// possible (5 rows as 3 + 2 took 0.92 ms where 4 + 1 took 1.00 on an 8960 x 1536 call): the first
+// pass reads the block from memory, later ones from cache.
+inline void block_rows(const float* x, const uint16_t* block, float* y, int64_t M, int64_t chunks,
+                       int64_t Kp, int64_t N, int outputs) {
+  int64_t m = 0;
+  for (int64_t passes = (M + kMaxRows - 1) / kMaxRows; passes > 0; --passes) {
+    const int64_t rows = (M - m + passes - 1) / passes;
+    const float* xr = x + m * Kp;
+    float* yr = y + m * N;
+    switch (rows) {
+      case 1: tile<1>(xr, block, yr, chunks, Kp, N, outputs); break;
+      case 2: tile<2>(xr, block, yr, chunks, Kp, N, outputs); break;
+      case 3: tile<3>(xr, block, yr, chunks, Kp, N, outputs); break;
+      default: tile<kMaxRows>(xr, block, yr, chunks, Kp, N, outputs);
+    }
+    m += rows;
   }
+}
+
+// Rows of x, zero-padded to Kp values, with each 16-value chunk reordered to
+// [x0 x2 .. x14 | x1 x3 .. x15] to match the widened weights.
+at::Tensor split_even_odd(const at::Tensor& x, int64_t Kp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor padded = x;
+  if (Kp != K) padded = at::constant_pad_nd(x, {0, Kp - K});
+  at::Tensor out = at::empty_like(padded);
+  const float* src = padded.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; k += kChunk)
+      for (int j = 0; j < kChunk / 2; ++j) {
+        dst[m * Kp + k + j] = src[m * Kp + k + 2 * j];
+        dst[m * Kp + k + kChunk / 2 + j] = src[m * Kp + k + 2 * j + 1];
+      }
   return out;
 }
 
-// All M rows against NB weight rows: a verify's 1-4 rows in one pass over the weights (4-row
-// tiles past that spilled registers: 8-17 rows ran 10-25% slower), more rows kRowsM at a time
-// (the tile then comes from cache after the first pass).
-template <int NB>
-inline void tile_column(const float* x, const uint16_t* w, float* y, int64_t M, int64_t k_chunks,
-                        int64_t K, int64_t N) {
-  switch (M) {
-    case 1: return tile<NB, 1>(x, w, y, k_chunks, K, N);
-    case 2: return tile<NB, 2>(x, w, y, k_chunks, K, N);
-    case 3: return tile<NB, 3>(x, w, y, k_chunks, K, N);
-    case 4: return tile<NB, 4>(x, w, y, k_chunks, K, N);
-  }
-  int64_t m = 0;
-  for (; m + kRowsM <= M; m += kRowsM) tile<NB, kRowsM>(x + m * K, w, y + m * N, k_chunks, K, N);
-  for (; m < M; ++m) tile<NB, 1>(x + m * K, w, y + m * N, k_chunks, K, N);
-}
-
-at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "linear_bf16w: input must be float32, got ",
               input.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
-              "linear_bf16w: weight must be a 2-D bfloat16 tensor");
-  const int64_t K = weight.size(1), N = weight.size(0);
-  TORCH_CHECK(input.size(-1) == K, "linear_bf16w: input has ", input.size(-1),
-              " features, weight expects ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == kPair && packed.size(3) == kChunk,
+              "linear_bf16w: weight must be packed by bf16_weights.pack, a bfloat16 tensor "
+              "[ceil(out / 2), ceil(in / 16), 2, 16]");
+  const int64_t N = out_features, K = input.size(-1), chunks = packed.size(1), Kp = chunks * kChunk;
+  TORCH_CHECK(packed.size(0) == (N + 1) / kPair, "linear_bf16w: the packed weight holds ",
+              packed.size(0) * kPair, " outputs, not ", N);
+  TORCH_CHECK(Kp - kChunk < K && K <= Kp, "linear_bf16w: input has ", K,
+              " features, the packed weight takes ", Kp - kChunk + 1, " to ", Kp);
   const at::Tensor bias_f = bias.has_value() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!bias_f.defined() || (bias_f.scalar_type() == at::kFloat && bias_f.numel() == N),
               "linear_bf16w: bias must be float32 with ", N, " values");
   const at::Tensor x2 = input.reshape({-1, K}).contiguous();
-  const at::Tensor w = weight.contiguous();
-  const int64_t M = x2.size(0), k_chunks = K / kChunk;
-  const at::Tensor xs = split_even_odd(x2);
+  const at::Tensor w = packed.contiguous();
+  const int64_t M = x2.size(0);
+  const at::Tensor xs = split_even_odd(x2, Kp);
   at::Tensor y = at::empty({M, N}, x2.options());
   const float* xp = xs.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / kRowsN;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      tile_column<kRowsN>(xp, wp + b * kRowsN * K, yp + b * kRowsN, M, k_chunks, K, N);
+  at::parallel_for(0, packed.size(0), 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int outputs = static_cast<int>(std::min<int64_t>(kPair, N - b * kPair));
+      block_rows(xp, wp + b * kPair * Kp, yp + b * kPair, M, chunks, Kp, N, outputs);
+    }
   });
-  for (int64_t n = blocks * kRowsN; n < N; ++n)
-    tile_column<1>(xp, wp + n * K, yp + n, M, k_chunks, K, N);
-  const int64_t whole = k_chunks * kChunk;
-  if (whole < K || bias_f.defined()) {
-    const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        float acc = yp[m * N + n];
-        for (int64_t k = whole; k < K; ++k) {
-          const uint32_t bits = static_cast<uint32_t>(wp[n * K + k]) << 16;
-          float wk;
-          std::memcpy(&wk, &bits, sizeof wk);
-          acc = std::fma(xp[m * K + k], wk, acc);
-        }
-        yp[m * N + n] = b ? acc + b[n] : acc;
-      }
-  }
+  if (bias_f.defined()) y.add_(bias_f);
   auto shape = input.sizes().vec();
   shape.back() = N;
   return y.view(shape);
@@ -153,6 +156,7 @@ bool cpu_supported() {
 }  // namespace
 
 TORCH_LIBRARY(specdec, m) {
-  m.def("linear_bf16w(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", &linear);
+  m.def("linear_bf16w(Tensor input, Tensor packed, int out_features, Tensor? bias=None) -> Tensor",
+        &linear);
   m.def("bf16w_cpu_supported() -> bool", &cpu_supported);
 }
