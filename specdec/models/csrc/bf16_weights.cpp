@@ -9,9 +9,10 @@
 // The weight comes packed (specdec.models.bf16_weights.pack): [ceil(N / 2), ceil(K / 16), 2, 16],
 // zero-padded, so that each pair of output rows is one contiguous stream, chunk by chunk. A call
 // of a few rows is bound by reading the weight, and one sequential stream per thread is what the
-// hardware prefetcher follows best: on the 2-core AVX2-emulating EPYC, pairs of rows read 0.39 ms
-// for an 8960 x 1536 one-row call where four separate rows read 0.58 (a plain read of the same
-// bytes: 0.36); two or four streams per thread were slower than one.
+// hardware prefetcher follows best: on the 2-core AVX2-emulating EPYC (a standalone C++ timing
+// loop, not in the repository), pairs of rows read 0.39 ms for an 8960 x 1536 one-row call where
+// four separate rows read 0.58 (a plain read of the same bytes: 0.36); two or four streams per
+// thread were slower than one.
 //
 // Built on first use by torch.utils.cpp_extension (specdec.models.bf16_weights), for x86-64 with
 // AVX2 and FMA, into torch.ops.specdec.
@@ -29,9 +30,9 @@ namespace {
 constexpr int64_t kChunk = 16;  // k values one step of the inner loop consumes
 constexpr int kPair = 2;        // output rows per packed block
 constexpr int kMaxRows = 4;     // activation rows per pass over a block (14 of 16 registers)
-// Weights are prefetched this many values ahead in the block stream (8 KiB): 2048 and 4096 were
-// near-best for the 8960 x 1536 and 1536 x 8960 projections from 1 to 8 rows, 1024 lost 10-60%
-// from 2 rows on.
+// Weights are prefetched this many values ahead in the block stream (8 KiB): in the same timing
+// loop, on that EPYC only, 2048 and 4096 were near-best for the 8960 x 1536 and 1536 x 8960
+// projections from 1 to 8 rows, 1024 lost 10-60% from 2 rows on.
 constexpr int64_t kPrefetch = 4096;
 
 inline float reduce_lanes(__m256 v) {
