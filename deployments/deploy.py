@@ -19,9 +19,8 @@ from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
 from specdec.cluster.processes import prepare_driver
-from specdec.config import SIDES, ModelConfig, SpecdecConfig
+from specdec.config import APPLICATION, SIDES, ModelConfig, SpecdecConfig
 
-APPLICATION = "specdec"
 # Ray Serve reads the gRPC proxy's max receive (and send) message size from this variable of
 # the proxy's environment; proxies inherit the Serve controller's runtime_env.
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
@@ -73,7 +72,7 @@ def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -
         specdec.errors.ConfigError: the application's args are invalid (see app_config);
         specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
     """
-    from specdec.pairs import bundled
+    from specdec.models import bundled
 
     overrides = dict(overrides or {})
     config = app_config(load_config(path, overrides))

@@ -6,8 +6,8 @@ from ray import serve
 
 from specdec.config import SpecdecConfig
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
-from specdec.models.proposer import DraftProposer
 from specdec.v1 import worker_pb2
+from specdec.worker.proposer import DraftProposer
 
 
 @serve.deployment(
@@ -16,7 +16,7 @@ from specdec.v1 import worker_pb2
     max_ongoing_requests=32,
 )
 class DraftModel(ModelReplica):
-    """Proposes k tokens per round for any session (see specdec.models.proposer.DraftProposer).
+    """Proposes k tokens per round for any session (see specdec.worker.proposer.DraftProposer).
 
     Args:
         config: the application's settings; loads config.models.draft_model.

@@ -12,10 +12,10 @@ from specdec.config import SpecdecConfig
 from specdec.deployments.batching import BatchSizer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
-from specdec.models.calibration import load_calibrated
-from specdec.models.calibration_cache import CalibrationCache
-from specdec.models.session import DEFERRED, Deferred, SessionModel
+from specdec.device.calibration import load_calibrated
+from specdec.device.calibration_cache import CalibrationCache
 from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.worker.session import DEFERRED, Deferred, SessionModel
 
 log = logging.getLogger("ray.serve")
 

@@ -59,8 +59,8 @@ from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import RouterMetrics
+from specdec.device.cost_prior import cost_prior
 from specdec.errors import InvalidRequestError, MalformedRequest
-from specdec.models.calibration import cost_prior
 from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
 

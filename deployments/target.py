@@ -6,8 +6,8 @@ from ray import serve
 
 from specdec.config import SpecdecConfig
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
-from specdec.models.verifier import TargetVerifier
 from specdec.v1 import worker_pb2
+from specdec.worker.verifier import TargetVerifier
 
 
 @serve.deployment(
@@ -16,7 +16,7 @@ from specdec.v1 import worker_pb2
     max_ongoing_requests=32,
 )
 class TargetModel(ModelReplica):
-    """Verifies draft tokens for any session (see specdec.models.verifier.TargetVerifier).
+    """Verifies draft tokens for any session (see specdec.worker.verifier.TargetVerifier).
 
     Args:
         config: the application's settings; loads config.models.target_model, and the verifier

@@ -21,14 +21,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specdec.tools.serve", "deploy specdec to a running Ray cluster"),
     "generate": ("specdec.tools.generate", "call the gRPC endpoint"),
     "tiny-models": ("specdec.tools.tiny_models", "write a tiny random draft/target pair"),
-    "loadtest": ("specdec.tools.loadtest", "staged gRPC load with per-second records"),
+    "loadtest": ("specdec.bench.loadtest", "staged gRPC load with per-second records"),
     "soak": (
-        "specdec.tools.soak",
+        "specdec.bench.soak",
         "minutes of greedy load on the tiny pair on a cluster of its own, with scaling, "
         "a killed target replica and a killed draft node: counts, exactness, memory",
     ),
     "bench": (
-        "specdec.tools.bench",
+        "specdec.bench.speedup",
         "speculative vs target-only through the service, "
         "and Hugging Face assisted generation in process",
     ),
@@ -38,11 +38,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stream two prompts, benchmark a small sample",
     ),
     "tiny-bench": (
-        "specdec.tools.tiny_bench",
+        "specdec.bench.tiny_bench",
         "throughput and acceptance per k on the tiny pair, in process or through the service",
     ),
     "sweep": (
-        "specdec.tools.sweep",
+        "specdec.bench.sweep",
         "concurrency x k through the service: aggregate and per-request tokens/s, TTFT, "
         "latency, exactness against k=0",
     ),

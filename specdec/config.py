@@ -30,6 +30,10 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
+# The Serve application's name: the route prefix of the HTTP API, the gRPC `application`
+# metadata, and the name the deploy and the tools look the application up by.
+APPLICATION = "specdec"
+
 MODEL_DTYPES = (
     "auto",
     "float32",
@@ -79,14 +83,14 @@ class ModelConfig(_Section):
     `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
     oneDNN's reordered weights; CPU only), `float32+bf16w` (float32 arithmetic on weights
     stored in bfloat16, for models whose weights are bfloat16 values, like the bundled pair;
-    x86-64 CPU with AVX2 and a C++ compiler; all three in specdec.models.gemm), `bfloat16`,
+    x86-64 CPU with AVX2 and a C++ compiler; all three in specdec.device.gemm), `bfloat16`,
     `bfloat16+dnnl` (CPU with AVX-512 or AVX-NE-CONVERT only), `float16` or `int8` (CPU only).
     `auto` (the shipped configs' choice): each replica measures its forward cost by width in
     every candidate dtype at start-up (float32, bfloat16, each `+dnnl` and `float32+bf16w`
     where the CPU has it on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU
     target also `float32+wm`) and runs in the fastest one whose target output stays exact
     and, for the target, whose prefill (the time to first token) is within 10% of the fastest
-    candidate's (specdec.models.calibration; GetModelInfo reports what it measured). A bundled
+    candidate's (specdec.device.calibration; GetModelInfo reports what it measured). A bundled
     model is stored once in bfloat16 (float16 has its own conversion) and loaded from there in
     any dtype."""
 
@@ -109,7 +113,7 @@ class ModelConfig(_Section):
     is rebuilt from its token ids on its next call."""
 
     calibration_cache: str | None = None
-    """Folder where replicas keep their start-up calibrations (specdec.models.calibration_cache):
+    """Folder where replicas keep their start-up calibrations (specdec.device.calibration_cache):
     a replica whose model architecture, settings and device match a stored one reuses it after
     checking its exact widths again (seconds instead of minutes on a CPU). Null:
     `$SPECDEC_CALIBRATION_CACHE`, else `~/.cache/specdec/calibration`; an empty string: measure
@@ -125,7 +129,7 @@ class ModelConfig(_Section):
 
     max_batch_size: int = 8
     """Calls a draft or target replica runs as one batch of packed forwards
-    (specdec.models.packed): the calls that arrived while the previous batch ran, up to this
+    (specdec.worker.packed): the calls that arrived while the previous batch ran, up to this
     many sessions (Ray Serve's `serve.batch`). 1: one session at a time. Greedy output is the
     same either way. The target's start-up calibration prices its exact widths for batches up
     to this size as well as for a lone request."""

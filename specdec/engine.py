@@ -17,13 +17,14 @@ from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_r
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
-from specdec.models.calibration import Calibration, cost_prior, load_calibrated
-from specdec.models.calibration_cache import CalibrationCache
+from specdec.device.calibration import Calibration, load_calibrated
+from specdec.device.calibration_cache import CalibrationCache
+from specdec.device.cost_prior import cost_prior
 from specdec.models.loading import LoadedModel, check_same_tokenizer
-from specdec.models.proposer import DraftProposer
-from specdec.models.session import DEFERRED
-from specdec.models.verifier import TargetVerifier
 from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.worker.proposer import DraftProposer
+from specdec.worker.session import DEFERRED
+from specdec.worker.verifier import TargetVerifier
 
 
 class LoopBatcher:
@@ -107,7 +108,7 @@ class SpeculativeEngine:
 
     Greedy output equals the target model's greedy output token for token; sampled output follows
     the target's distribution under the request's temperature / top-k / top-p (the acceptance rule
-    is in specdec.decoding.rejection).
+    is in specdec.worker.rejection).
 
     Args:
         draft, target: loaded models sharing a tokenizer (ModelLoadError otherwise).
@@ -167,7 +168,7 @@ class SpeculativeEngine:
         config: SpeculationConfig | SpecdecConfig | None = None,
         **settings: Any,
     ) -> SpeculativeEngine:
-        """Loads both models offline (specdec.models.calibration.load_calibrated; the
+        """Loads both models offline (specdec.device.calibration.load_calibrated; the
         constructor checks that they share a tokenizer) in the config's ``dtype``,
         ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast; "auto": the fastest
         measured on this device) and ``device``, and builds the engine; ``config`` and

@@ -35,7 +35,7 @@ class MalformedRequest:
 
     Serve's gRPC proxy parses each request with the deserializer its servicer function
     registered, before any deployment code runs; a parse error there would answer UNKNOWN with
-    a Python exception class in the details. specdec.client.add_servicer_to_server registers
+    a Python exception class in the details. specdec.servicer.add_servicer_to_server registers
     a deserializer that returns this instead, the proxy passes it on like a request, and the
     router answers INVALID_ARGUMENT with ``str(self)``. It is a plain object (pickled from the
     proxy to the router), never raised.

@@ -10,8 +10,8 @@ import pytest
 from forced_rounds import confidence_stop_choose
 
 from specdec import SpeculativeEngine
-from specdec.models.calibration_cache import CACHE_ENV
-from specdec.pairs.tiny import save_pair
+from specdec.device.calibration_cache import CACHE_ENV
+from specdec.models.tiny import save_pair
 
 # The replicas and engines the tests start keep their calibrations in a folder of this test
 # session only: the first of each model shape, setting and device measures, and later ones (the
@@ -62,7 +62,7 @@ def force_confidence_stop(monkeypatch):
 
 @pytest.fixture
 def sessions_per_forward(monkeypatch):
-    """spy(module) -> counts: spies on ``module``'s packed_forward (specdec.models.packed), and
+    """spy(module) -> counts: spies on ``module``'s packed_forward (specdec.worker.packed), and
     ``counts`` gets each call's number of sessions."""
 
     def spy(module) -> list[int]:

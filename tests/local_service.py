@@ -13,7 +13,7 @@ LOCAL_CONFIG = ROOT / "deployments" / "config" / "local.yaml"
 
 
 def write_prompt_set(folder: Path) -> Path:
-    """A 3-prompt .jsonl prompt set in specdec.tools.datasets' format (ids 1-3; the second a
+    """A 3-prompt .jsonl prompt set in specdec.bench.datasets' format (ids 1-3; the second a
     two-turn chat), for the benchmark commands' tests."""
     path = folder / "prompts.jsonl"
     path.write_text(

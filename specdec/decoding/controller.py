@@ -30,7 +30,7 @@ replicas' start-up calibration) stands in for it. The draft's costs are kept by 
 in flight); a load not yet measured costs at least what lighter ones measured, and only one
 request at a time drafts there until a round has measured it (CostModel.may_draft).
 
-Under load a target replica verifies many sessions in one batch (specdec.models.packed), so a
+Under load a target replica verifies many sessions in one batch (specdec.worker.packed), so a
 round's verify costs what the whole batch costs, and one session's k adds rows to everybody's
 forward. When recent verifies shared batches of B > 1 sessions, the verify of k is priced as a
 batch of B x (k + 1) rows (every session drafting the same k; the prior's cost curve by rows,

@@ -96,7 +96,7 @@ def load_model(
 
     Args:
         spec: local directory, cached model id, path to a ``.gguf`` file, or ``bundled:draft`` /
-            ``bundled:target`` (the bundled pair, converted on first use: specdec.pairs.bundled).
+            ``bundled:target`` (the bundled pair, converted on first use: specdec.models.bundled).
         dtype: "float32", "bfloat16", "float16", or "int8" (CPU only: every Linear layer
             dynamically quantized to int8, see quantize_int8; for draft models).
         device: "cpu", "cuda", "cuda:N".
@@ -176,7 +176,7 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedToken
 
 
 def _resolve_bundled(spec: str | os.PathLike, dtype: str) -> str | os.PathLike:
-    from specdec.pairs import bundled  # only bundled specs need it
+    from specdec.models import bundled  # only bundled specs need it
 
     return bundled.resolve(spec, dtype) if str(spec).startswith(bundled.SPEC_PREFIX) else spec
 

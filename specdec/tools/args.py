@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec.config import APPLICATION
+
 DEFAULT_CONFIG = "local.yaml"  # looked up in the packaged deployments/config/ when not a path
 
 
@@ -53,11 +55,11 @@ def add_k_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
 
 def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:
     """The service address and the prompt set of a benchmark: --address, --application,
-    --dataset, --data-file, --category, --limit (specdec.tools.datasets reads the last four)."""
-    from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION
+    --dataset, --data-file, --category, --limit (specdec.bench.datasets reads the last four)."""
+    from specdec.client import DEFAULT_ADDRESS
 
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument("--application", default=APPLICATION)
     parser.add_argument(
         "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
     )
@@ -116,7 +118,7 @@ def grpc_port(config: Path) -> int:
     return yaml.safe_load(config.read_text())["grpc_options"]["port"]
 
 
-def openai_base_url(config: Path, application: str = "specdec") -> str:
+def openai_base_url(config: Path, application: str = APPLICATION) -> str:
     """The OpenAI-compatible API's base URL (``http://127.0.0.1:PORT/PREFIX/v1``) of a Serve
     config YAML file: its http_options.port and the application's route_prefix.
 

@@ -27,7 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specdec.client import DEFAULT_APPLICATION, SpecdecClient, build_request
+from specdec.client import SpecdecClient, build_request
+from specdec.config import APPLICATION
 from specdec.tools.args import config_path, grpc_port, openai_base_url, positive_int
 from specdec.tools.generate import print_summary
 
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         deploy(config, address=address, overrides=overrides)
         print(f"   deployed in {time.perf_counter() - start:.0f} s", flush=True)
         grpc_address = f"127.0.0.1:{grpc_port(config)}"
-        with SpecdecClient(grpc_address, DEFAULT_APPLICATION, timeout_s=900) as client:
+        with SpecdecClient(grpc_address, APPLICATION, timeout_s=900) as client:
             print(f"== 3/5 streaming through gRPC at {grpc_address}", flush=True)
             for name, prompt in PROMPTS:
                 _stream(client, name, prompt, args.max_new_tokens)
@@ -164,7 +165,7 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
     the first args.limit HumanEval prompts, args.max_new_tokens new tokens, greedy, adaptive k,
     plain_generate, HF assisted (default settings) only with args.hf, no in-process engine,
     JSON and plot under args.out."""
-    from specdec.tools import bench
+    from specdec.bench import speedup as bench
 
     out = Path(args.out)
     parser = argparse.ArgumentParser(prog="specdec bench")
@@ -172,7 +173,7 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
     return parser.parse_args(
         [
             f"--address={grpc_address}",
-            f"--application={DEFAULT_APPLICATION}",
+            f"--application={APPLICATION}",
             "--dataset=humaneval",
             f"--limit={args.limit}",
             f"--max-new-tokens={args.max_new_tokens}",
@@ -191,7 +192,7 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
 
 def _bench(grpc_address: str, args: argparse.Namespace) -> int:
     """`specdec bench` with bench_args; returns its exit status."""
-    from specdec.tools import bench
+    from specdec.bench import speedup as bench
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     parsed = bench_args(grpc_address, args)

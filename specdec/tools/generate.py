@@ -12,7 +12,8 @@ import sys
 
 from google.protobuf import json_format
 
-from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION, SpecdecClient, build_request
+from specdec.client import DEFAULT_ADDRESS, SpecdecClient, build_request
+from specdec.config import APPLICATION
 from specdec.tools.args import add_k_arg
 
 
@@ -20,7 +21,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec generate`."""
     parser.add_argument("prompt")
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument("--application", default=APPLICATION)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--stream", action="store_true", help="print tokens as rounds commit them")
     parser.add_argument("--max-new-tokens", type=int)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from specdec.config import APPLICATION
 from specdec.tools.args import run_standalone
 
-APPLICATION = "specdec"
 MODEL_ROLES = ("draft", "target")
 BASE_PATCH = Path("base/serve-config.yaml")
 CPU_DEMO_PATCH = Path("overlays/cpu-demo/serve-config.yaml")
@@ -103,11 +103,11 @@ def prepare_models(
         raise ValueError(f"roles must be among {list(MODEL_ROLES)}, got {sorted(unknown)}")
     missing = [role for role in roles if not (root / role).exists()]
     if missing and source == "tiny":
-        from specdec.pairs.tiny import save_pair
+        from specdec.models.tiny import save_pair
 
         save_pair(root, noise=0.05)  # as `specdec tiny-models`
     elif missing and source == "bundled":
-        from specdec.pairs import bundled
+        from specdec.models import bundled
 
         for role in missing:
             converted = bundled.converted_path(role, dtype, root / ".bundled")

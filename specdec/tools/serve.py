@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.client import DEFAULT_APPLICATION
+from specdec.config import APPLICATION
 from specdec.tools.args import DEFAULT_CONFIG, config_path, grpc_port
 
 # parsed-args attributes (--draft-model ...) that override the application arg of the same name
@@ -57,6 +57,6 @@ def main(args: argparse.Namespace) -> int:
     deploy(config, address=address or local.address(), overrides=overrides)
     print(
         f"specdec is serving (config {config}); gRPC on port {grpc_port(config)}, "
-        f"application '{DEFAULT_APPLICATION}'"
+        f"application '{APPLICATION}'"
     )
     return 0

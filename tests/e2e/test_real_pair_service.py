@@ -17,8 +17,8 @@ import yaml
 from local_service import LOCAL_CONFIG, free_port, serving
 
 from specdec.client import build_request
-from specdec.models.calibration import candidate_dtypes
-from specdec.pairs import bundled
+from specdec.device.calibration import candidate_dtypes
+from specdec.models import bundled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 

@@ -34,7 +34,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.models.fixed_shape import ROW_WISE_ATTENTION
+from specdec.device.exact_widths import ROW_WISE_ATTENTION
 
 PROMPT = (
     "def has_close_elements(numbers: list[float], threshold: float) -> bool:\n"

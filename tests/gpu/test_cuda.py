@@ -16,7 +16,7 @@ import torch
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -2,7 +2,7 @@
 
 Its own local cluster (a separate state dir), started and stopped by this module, so no other
 module's damage (test_serving kills a node) can reach it. The autoscaling configs are the
-shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.tools.loadtest
+shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.bench.loadtest
 with Stages that end on a scaling event (``until``) rather than after a guessed time.
 """
 
@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from specdec import SamplingParams
-from specdec.pairs.tiny import PROMPTS
-from specdec.tools.loadtest import LoadTest, Stage, build_requests, run
-from specdec.tools.soak import AUTOSCALING
+from specdec.bench.loadtest import LoadTest, Stage, build_requests, run
+from specdec.bench.soak import AUTOSCALING
+from specdec.models.tiny import PROMPTS
 
 pytestmark = [
     pytest.mark.integration,

@@ -9,7 +9,7 @@ import pytest
 from test_serving import _cache_stats_per_replica
 
 from specdec.client import build_request
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 pytestmark = pytest.mark.integration
 SIDES = ("DraftModel", "TargetModel")

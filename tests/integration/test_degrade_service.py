@@ -15,7 +15,7 @@ from test_serving import _replicas, _scrape_metrics, _wait_until
 
 from specdec.client import build_request
 from specdec.cluster.faults import kill_node, restart_node
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 pytestmark = pytest.mark.integration
 K = 3

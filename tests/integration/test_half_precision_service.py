@@ -20,7 +20,7 @@ import pytest
 from test_serving import _cache_stats_per_replica, _kill, _replicas, _wait_until
 
 from specdec.client import build_request
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 pytestmark = pytest.mark.integration
 DTYPE = "bfloat16"

@@ -20,7 +20,7 @@ from conftest import write_config
 from local_service import serving
 
 from specdec.client import build_request
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 from specdec.v1 import specdec_pb2
 
 pytestmark = pytest.mark.integration

@@ -13,11 +13,12 @@ import pytest
 from test_serving import K_MAX, _all_caches_empty, _scrape_metrics, _wait_until
 
 from specdec.client import build_request
-from specdec.pairs.tiny import PROMPTS
+from specdec.config import APPLICATION
+from specdec.models.tiny import PROMPTS
 from specdec.tools import demo
 
 pytestmark = pytest.mark.integration
-APP = "specdec"
+APP = APPLICATION
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[4]}]
 
 

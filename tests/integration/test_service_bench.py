@@ -13,7 +13,7 @@ import json
 import pytest
 from local_service import write_prompt_set
 
-from specdec.tools import bench
+from specdec.bench import speedup as bench
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import json
 import pytest
 from local_service import write_prompt_set
 
-from specdec.tools import sweep
+from specdec.bench import sweep
 
 pytestmark = pytest.mark.integration
 

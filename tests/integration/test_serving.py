@@ -18,11 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import LOCAL_CONFIG
 
 from specdec.client import build_request
-from specdec.pairs.tiny import PROMPTS
+from specdec.config import APPLICATION
+from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
 
 pytestmark = pytest.mark.integration
-APP = "specdec"
+APP = APPLICATION
 
 
 @pytest.fixture(scope="module")

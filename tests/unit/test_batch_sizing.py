@@ -57,7 +57,7 @@ def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
     import asyncio
 
     from specdec.deployments.model_replica import ModelReplica
-    from specdec.models.session import DEFERRED
+    from specdec.worker.session import DEFERRED
 
     answers, seen = [DEFERRED, DEFERRED, "response"], []
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.models import packed
-from specdec.models import verifier as verifier_module
-from specdec.models.session import DEFERRED
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
+from specdec.worker import packed
+from specdec.worker import verifier as verifier_module
+from specdec.worker.session import DEFERRED
 
 NEW_TOKENS = 20
 
@@ -160,9 +160,9 @@ def test_a_session_named_twice_in_a_batch_runs_its_calls_in_order(built):
 def test_a_packed_forward_of_one_session_is_the_model_forward_bitwise(tiny_pair, dtype):
     from transformers import DynamicCache
 
-    from specdec.models.fixed_shape import use_row_wise_attention
-    from specdec.models.kv_cache import SessionEntry
+    from specdec.device.exact_widths import use_row_wise_attention
     from specdec.models.loading import load_model
+    from specdec.worker.kv_cache import SessionEntry
 
     # The reference: the model's own forward with the attention every decode forward uses.
     name = str(dtype).removeprefix("torch.")
@@ -205,7 +205,7 @@ def test_batched_drafting_steps_sessions_together_until_each_stops(built, sessio
     # each leaving the batch at its own length; a sampled session drafts alone, so its draft is
     # the one it gets when it is the only call.
     proposer = built.transport.proposer
-    from specdec.models import proposer as proposer_module
+    from specdec.worker import proposer as proposer_module
 
     widths = sessions_per_forward(proposer_module)
     temperatures = (0.0, 0.0, 0.0, 0.9)

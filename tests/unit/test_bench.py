@@ -1,12 +1,12 @@
-"""`specdec bench`'s order of runs (specdec.tools.bench): plain generate interleaved."""
+"""`specdec bench`'s order of runs (specdec.bench.speedup): plain generate interleaved."""
 
 from __future__ import annotations
 
 import argparse
 
-from specdec.tools import bench
-from specdec.tools.bench_figures import PLAIN, SPECULATIVE, TARGET_ONLY, Run
-from specdec.tools.datasets import BenchPrompt
+from specdec.bench import speedup as bench
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.figures import PLAIN, SPECULATIVE, TARGET_ONLY, Run
 
 
 class _Plain:

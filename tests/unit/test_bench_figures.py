@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec.decoding.stats import SpeculationStats
-from specdec.tools import bench_inprocess as inproc
-from specdec.tools.bench_figures import (
+from specdec.bench import inprocess as inproc
+from specdec.bench.datasets import BenchPrompt, load_prompts
+from specdec.bench.figures import (
     PromptResult,
     Run,
     StepCosts,
@@ -20,8 +20,8 @@ from specdec.tools.bench_figures import (
     step_costs,
     summarize,
 )
-from specdec.tools.bench_inprocess import choose_dtype, predicted_request_s
-from specdec.tools.datasets import BenchPrompt, load_prompts
+from specdec.bench.inprocess import choose_dtype, predicted_request_s
+from specdec.decoding.stats import SpeculationStats
 from specdec.v1 import specdec_pb2
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
@@ -110,7 +110,7 @@ def test_dtype_pick_keeps_the_fastest_that_ran():
 def test_plain_generate_tries_the_services_gemms_only_when_asked():
     import torch
 
-    from specdec.models.gemm import onednn_available
+    from specdec.device.gemm import onednn_available
 
     assert inproc.candidate_dtypes("cpu") == ["float32", "bfloat16"]
     with_gemms = inproc.candidate_dtypes("cpu", gemms=True)
@@ -124,7 +124,7 @@ def test_plain_generate_tries_the_services_gemms_only_when_asked():
 def test_a_baseline_loaded_as_a_gemm_candidate_runs_that_gemm(tiny_pair):
     import torch
 
-    from specdec.models.gemm import ONEDNN, SwitchableLinear, onednn_available
+    from specdec.device.gemm import ONEDNN, SwitchableLinear, onednn_available
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN linear")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specdec.tools import bench_inprocess as inproc
+from specdec.bench import inprocess as inproc
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""float32 arithmetic on bfloat16-stored weights (specdec.models.bf16_weights, the
+"""float32 arithmetic on bfloat16-stored weights (specdec.device.bf16_weights, the
 "float32+bf16w" GEMM): width-invariant rows, the same model, and refusals that change nothing."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.models import bf16_weights
-from specdec.models.calibration import calibrate
-from specdec.models.gemm import (
+from specdec.device import bf16_weights
+from specdec.device.calibration import calibrate
+from specdec.device.gemm import (
     BF16_WEIGHTS,
     WEIGHT_MAJOR,
     SwitchableLinear,
@@ -20,7 +20,7 @@ from specdec.models.gemm import (
     set_gemm,
 )
 from specdec.models.loading import load_model
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 pytestmark = pytest.mark.skipif(
     not bf16_weights.available(),
@@ -145,7 +145,7 @@ def test_a_weight_reordered_by_onednn_is_checked_too():
 
 def test_calibration_skips_it_for_a_float32_checkpoint_and_refuses_it_configured(tiny_pair, caplog):
     loaded = load_model(str(tiny_pair[1]), dtype="float32")  # random float32 weights
-    with caplog.at_level(logging.INFO, logger="specdec.models.calibration"):
+    with caplog.at_level(logging.INFO, logger="specdec.device.calibration"):
         _, calibration = calibrate(
             loaded,
             "target",

@@ -1,4 +1,4 @@
-"""specdec.pairs.bundled's join / verify / stamp logic, on small fake parts (fast, no models).
+"""specdec.models.bundled's join / verify / stamp logic, on small fake parts (fast, no models).
 
 These tests do not need the bundled pair, so they carry no ``e2e`` marker.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specdec import ModelLoadError
-from specdec.pairs import bundled
+from specdec.models import bundled
 
 
 def _fake_model(

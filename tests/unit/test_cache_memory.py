@@ -16,7 +16,9 @@ from transformers import DynamicCache
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.engine import LocalTransport
-from specdec.models.kv_cache import (
+from specdec.models.tiny import PROMPTS
+from specdec.v1 import worker_pb2
+from specdec.worker.kv_cache import (
     COMPACT_WASTE_FRACTION,
     ActiveSession,
     SessionCacheStore,
@@ -24,8 +26,6 @@ from specdec.models.kv_cache import (
     cache_nbytes,
     compact_cache,
 )
-from specdec.pairs.tiny import PROMPTS
-from specdec.v1 import worker_pb2
 
 SESSIONS = 1000
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2

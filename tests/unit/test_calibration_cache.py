@@ -1,4 +1,4 @@
-"""Calibrations reused from disk (specdec.models.calibration_cache): a hit skips the measurement
+"""Calibrations reused from disk (specdec.device.calibration_cache): a hit skips the measurement
 but never the exactness check, and anything that decides a calibration is in its key."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.models import bf16_weights, calibration, calibration_cache
-from specdec.models.calibration import load_calibrated
-from specdec.models.calibration_cache import CACHE_ENV, DEFAULT_DIR, CalibrationCache
-from specdec.models.fixed_shape import ROW_WISE_ATTENTION
+from specdec.device import bf16_weights, calibration, calibration_cache
+from specdec.device.calibration import load_calibrated
+from specdec.device.calibration_cache import CACHE_ENV, DEFAULT_DIR, CalibrationCache
+from specdec.device.exact_widths import ROW_WISE_ATTENTION
 from specdec.models.loading import load_model
-from specdec.pairs.tiny import save_pair
+from specdec.models.tiny import save_pair
 from specdec.v1 import specdec_pb2
 
 

@@ -1,4 +1,4 @@
-"""How the start-up calibration times candidates (specdec.models.calibration): repeated passes,
+"""How the start-up calibration times candidates (specdec.device.calibration): repeated passes,
 and candidates cut short once a few widths show they cannot win."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from specdec.models import calibration
+from specdec.device import calibration
 from specdec.models.loading import load_model
 
 

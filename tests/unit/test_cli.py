@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdec import cli
-from specdec.tools import bench, demo
+from specdec.bench import speedup as bench
+from specdec.tools import demo
 from specdec.tools.args import config_path, grpc_port, k_value, positive_int
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,9 +155,9 @@ def test_k8s_module_runs_standalone():
 
 
 def test_tiny_bench_module_runs_standalone():
-    """README calls `python -m specdec.tools.tiny_bench`: its own parser, same flags."""
+    """README calls `python -m specdec.bench.tiny_bench`: its own parser, same flags."""
     run = subprocess.run(
-        [sys.executable, "-m", "specdec.tools.tiny_bench", "--help"],
+        [sys.executable, "-m", "specdec.bench.tiny_bench", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

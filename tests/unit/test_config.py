@@ -208,8 +208,8 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
-    from specdec.models.calibration import AUTO
-    from specdec.models.gemm import BF16_WEIGHTS, ONEDNN, WEIGHT_MAJOR
+    from specdec.device.calibration import AUTO
+    from specdec.device.gemm import BF16_WEIGHTS, ONEDNN, WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
     gemms = {"float32" + g for g in (WEIGHT_MAJOR, ONEDNN, BF16_WEIGHTS)} | {"bfloat16" + ONEDNN}
@@ -275,7 +275,7 @@ def _serve_config(tmp_path: Path, **args) -> Path:
 def test_resolve_bundled_converts_in_the_dtype_the_replicas_load(tmp_path, monkeypatch):
     pytest.importorskip("ray")
     from specdec.deployments import deploy
-    from specdec.pairs import bundled
+    from specdec.models import bundled
 
     calls = []
     monkeypatch.setattr(bundled, "resolve", lambda spec, dtype: calls.append((spec, dtype)) or spec)

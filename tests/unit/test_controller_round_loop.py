@@ -12,7 +12,7 @@ from specdec import SamplingParams
 from specdec.decoding.controller import CATCHUP_STEADY_TOKENS, CostModel, KController, RoundTiming
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 K = 3
 DRAFT_MISS_CALL = 3  # the draft's prefill, round 1, then round 2 finds its cache gone

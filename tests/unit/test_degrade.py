@@ -15,7 +15,7 @@ from specdec import SamplingParams
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 K = 3
 NEW_TOKENS = 40

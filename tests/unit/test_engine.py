@@ -8,7 +8,7 @@ from rebuilds import stream_evicting
 
 from specdec import InvalidRequestError, ModelLoadError, SamplingParams, SpeculativeEngine
 from specdec.models.loading import load_model
-from specdec.pairs.tiny import PROMPTS, save_pair
+from specdec.models.tiny import PROMPTS, save_pair
 
 GREEDY = SamplingParams(max_new_tokens=40)
 

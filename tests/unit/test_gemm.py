@@ -1,4 +1,4 @@
-"""Weight-major and oneDNN GEMMs (specdec.models.gemm): calibration candidates that must stay
+"""Weight-major and oneDNN GEMMs (specdec.device.gemm): calibration candidates that must stay
 exact."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.models.calibration import calibrate, candidate_dtypes
-from specdec.models.gemm import (
+from specdec.device.calibration import calibrate, candidate_dtypes
+from specdec.device.gemm import (
     BF16_WEIGHTS,
     ONEDNN,
     WEIGHT_MAJOR,
@@ -23,7 +23,7 @@ from specdec.models.gemm import (
     split_candidate,
 )
 from specdec.models.loading import load_model
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 GEMMS = [WEIGHT_MAJOR, ONEDNN] if onednn_available() else [WEIGHT_MAJOR]
 # Every GEMM candidate this build and CPU run: bfloat16+dnnl needs oneDNN's bfloat16 kernels,
@@ -108,8 +108,8 @@ def test_onednn_bfloat16_is_not_offered_where_the_cpu_lacks_it():
     bfloat16+dnnl is then no candidate, and set_gemm refuses it by name."""
     code = (
         "import torch\n"
-        "from specdec.models.calibration import candidate_dtypes\n"
-        "from specdec.models.gemm import onednn_available, set_gemm\n"
+        "from specdec.device.calibration import candidate_dtypes\n"
+        "from specdec.device.gemm import onednn_available, set_gemm\n"
         "assert not onednn_available(torch.bfloat16)\n"
         "assert 'bfloat16+dnnl' not in candidate_dtypes('target', 'cpu')\n"
         "print(candidate_dtypes('target', 'cpu'))\n"
@@ -164,7 +164,7 @@ def test_a_switched_target_speculates_exactly(tiny_pair, switched_target):
 
 
 def test_a_later_candidate_needs_a_clear_margin_to_be_chosen():
-    from specdec.models.calibration import CHOICE_MARGIN, DtypeMeasurement, _choose
+    from specdec.device.calibration import CHOICE_MARGIN, DtypeMeasurement, _choose
 
     def candidate(name, seconds):
         return DtypeMeasurement(name, (1.0,), 0.01, None, seconds), name

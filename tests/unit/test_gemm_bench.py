@@ -1,4 +1,4 @@
-"""python -m specdec.tools.gemm_bench: every path it times computes the same product."""
+"""python -m specdec.bench.gemm_bench: every path it times computes the same product."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
-from specdec.models import bf16_weights
-from specdec.tools import gemm_bench
+from specdec.bench import gemm_bench
+from specdec.device import bf16_weights
 
 
 def test_every_timed_path_computes_x_times_w_transposed():

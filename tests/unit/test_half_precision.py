@@ -7,9 +7,9 @@ import torch
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.models.gemm import bf16_weights_candidate
+from specdec.device.gemm import bf16_weights_candidate
 from specdec.models.loading import load_model
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 GREEDY = SamplingParams(max_new_tokens=32)
 
@@ -58,7 +58,7 @@ class _RowsApart(torch.nn.Linear):
 
 
 def _classes(tiny_pair, apart, whole=False, max_width=8):
-    from specdec.models.fixed_shape import measure_width_classes
+    from specdec.device.exact_widths import measure_width_classes
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     loaded.model.lm_head = _RowsApart(loaded.model.lm_head, apart, whole)
@@ -92,7 +92,7 @@ def test_widths_that_round_apart_form_separate_classes(tiny_pair):
 def test_the_whole_model_check_compares_the_smallest_width_in_its_first_trial(tiny_pair, seed):
     # A 1-row forward computed apart (as the bundled bfloat16 target's is on an AVX-512 BF16
     # EPYC): one trial must fail the (1, 2) class whatever the random split would have been.
-    from specdec.models.fixed_shape import use_row_wise_attention, whole_forward_exact
+    from specdec.device.exact_widths import use_row_wise_attention, whole_forward_exact
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     use_row_wise_attention(loaded.model)  # as the calibration checks a class
@@ -107,7 +107,7 @@ def test_the_whole_model_check_compares_the_smallest_width_in_its_first_trial(ti
 
 
 def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
-    from specdec.models.calibration import ExactWidths
+    from specdec.device.calibration import ExactWidths
 
     costs = (1.0, 2.0, 3.0, 4.0, 3.5, 5.0)  # a 5-row forward is cheaper than a 4-row one
     exact = ExactWidths((2, 4, 5), costs)
@@ -205,8 +205,8 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, d
 
 
 def test_without_fixed_shape_verify_no_exact_widths_are_measured(tiny_pair):
-    from specdec.models.calibration import calibrate
-    from specdec.models.fixed_shape import ROW_WISE_ATTENTION
+    from specdec.device.calibration import calibrate
+    from specdec.device.exact_widths import ROW_WISE_ATTENTION
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     model, calibration = calibrate(
@@ -229,7 +229,7 @@ def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(
     quantized lm_head), the float32 model untouched."""
     import copy
 
-    from specdec.models.calibration import _cast
+    from specdec.device.calibration import _cast
     from specdec.models.loading import quantize_int8
 
     model = load_model(tiny_pair[1]).model
@@ -266,7 +266,7 @@ def _row_by_row(model: torch.nn.Module) -> None:
 def test_the_check_computes_rows_at_every_width_of_the_class_when_asked(tiny_pair):
     # Width 5 alone computes its rows apart. One random trial need not cut a piece of 5 rows;
     # rows_per_width makes every narrower width compute at least that many rows.
-    from specdec.models.fixed_shape import use_row_wise_attention, whole_forward_exact
+    from specdec.device.exact_widths import use_row_wise_attention, whole_forward_exact
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     use_row_wise_attention(loaded.model)
@@ -293,8 +293,8 @@ def _meta_model(shapes: dict[tuple[int, int], int]) -> torch.nn.Module:
 
 
 def test_a_half_precision_class_is_checked_only_where_a_split_would_show(tiny_pair):
-    from specdec.models.calibration import HALF_CLASS_MAX_PASSES
-    from specdec.models.fixed_shape import half_precision_rows
+    from specdec.device.calibration import HALF_CLASS_MAX_PASSES
+    from specdec.device.exact_widths import half_precision_rows
 
     budget = HALF_CLASS_MAX_PASSES * 17  # rows a width, k_max 12
     # Qwen2.5 1.5B's linear layers: 28 decoder layers and the LM head.
@@ -316,7 +316,7 @@ def test_a_half_precision_target_of_a_tiny_model_keeps_one_exact_width(bf16_engi
 
 
 def test_a_checkable_half_precision_class_gets_the_longer_check(tiny_pair, monkeypatch):
-    from specdec.models import calibration
+    from specdec.device import calibration
 
     checked = []
 

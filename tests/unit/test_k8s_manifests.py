@@ -426,7 +426,7 @@ def test_renderer_applies_json_patch_ops():
 
 
 def test_prepare_models_links_the_bundled_pair_once(tmp_path, monkeypatch):
-    from specdec.pairs import bundled
+    from specdec.models import bundled
 
     converted = []
 

@@ -1,5 +1,7 @@
-"""The layers, checked on the source: the core never imports Ray, the deployments never import
-the in-process engine, and no module imports another's private names.
+"""The layers, checked on the source: the core never imports Ray, the router side
+(specdec.decoding) never imports torch nor the worker and device rooms, the deployments never
+import the in-process engine, no module imports another's private names, the project's imports
+form no cycle, and no module grows past MAX_MODULE_LINES.
 
 Every import statement counts, including those inside functions. Files map to the module names
 they install as: ``deployments/x.py`` is ``specdec.deployments.x``, ``cluster/x.py`` is
@@ -23,6 +25,12 @@ PACKAGES = {
     "cluster": "specdec.cluster",
 }
 RAY_SIDE = ("ray", "specdec.deployments", "specdec.cluster")
+OPERATOR_ROOMS = ("specdec.tools", "specdec.bench")  # run from a shell: may import Ray lazily
+# The router side: what the router deployment runs per round. It stays free of torch so that a
+# router replica never loads it; these are all it may import of the project.
+ROUTER_SIDE = "specdec.decoding"
+ROUTER_SIDE_MAY_IMPORT = ("specdec.decoding", "specdec.config", "specdec.errors", "specdec.v1")
+MAX_MODULE_LINES = 600
 Violation = tuple[str, int, str]  # (file relative to the repository, line, what is wrong)
 
 
@@ -161,13 +169,14 @@ def _report(violations: list[Violation], rule: str) -> str:
 
 
 def test_the_core_never_imports_ray():
-    """specdec/ outside specdec/tools/ imports neither Ray nor the Ray side of the project;
-    the tools import them only inside functions, so ``import specdec.tools.x`` needs no Ray."""
+    """specdec/ outside specdec/tools/ and specdec/bench/ imports neither Ray nor the Ray side of
+    the project; the tools and benchmarks import them only inside functions, so ``import
+    specdec.tools.x`` needs no Ray."""
     violations = []
     for src in SOURCES:
         if not _within(src.module, "specdec") or _within(src.module, *RAY_SIDE[1:]):
             continue
-        is_tool = _within(src.module, "specdec.tools")
+        is_tool = _within(src.module, *OPERATOR_ROOMS)
         for imp in _imports(src):
             hit = next((m for m in imp.modules if _within(m, *RAY_SIDE)), None)
             if hit and not (is_tool and imp.in_function):
@@ -205,3 +214,77 @@ def test_every_core_and_tool_module_imports_without_ray():
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_the_router_side_never_imports_torch_nor_the_model_rooms():
+    """specdec.decoding imports no torch (at any level) and, of the project, only itself,
+    specdec.config, specdec.errors and the generated protos: so nothing it loads imports torch."""
+    violations = []
+    for src in SOURCES:
+        if not _within(src.module, ROUTER_SIDE):
+            continue
+        for imp in _imports(src):
+            module = imp.modules[0]
+            outside = _within(module, "specdec") and not any(
+                _within(m, *ROUTER_SIDE_MAY_IMPORT) for m in imp.modules
+            )
+            if _within(module, "torch") or outside:
+                violations.append(src.violation(imp.line, f"imports {module}"))
+    assert not violations, _report(violations, "the router side never imports torch")
+
+
+def test_the_worker_and_device_rooms_never_import_the_router_rooms_runtime():
+    """What a model replica runs (specdec.worker, specdec.device, specdec.models) imports nothing
+    of the operator rooms (tools, bench) nor the in-process engine."""
+    rooms = ("specdec.worker", "specdec.device", "specdec.models")
+    violations = [
+        src.violation(imp.line, f"imports {imp.modules[0]}")
+        for src in SOURCES
+        if _within(src.module, *rooms)
+        for imp in _imports(src)
+        if any(_within(m, *OPERATOR_ROOMS, "specdec.engine") for m in imp.modules)
+    ]
+    assert not violations, _report(violations, "replica rooms never import operator rooms")
+
+
+def _project_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (every import, type-checking ones included)."""
+    graph = {}
+    for src in SOURCES:
+        deps = set()
+        for imp in _imports(src):
+            target = next((m for m in reversed(imp.modules) if m in MODULES), None)
+            if target and target != src.module and not _within(src.module, target):
+                deps.add(target)
+        graph[src.module] = deps
+    return graph
+
+
+def test_the_project_imports_form_no_cycle():
+    graph = _project_graph()
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = [
+        f"{src.path.relative_to(ROOT)}: {n} lines"
+        for src in SOURCES
+        if "_pb2" not in src.path.name
+        and (n := len(src.path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    limit = f"modules over {MAX_MODULE_LINES} lines (split them by concept):"
+    assert not long, "\n".join([limit, *long])

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from specdec import SamplingParams
-from specdec.client import build_request, parse_or_mark
+from specdec.client import build_request
 from specdec.config import ServiceConfig, SpecdecConfig, SpeculationConfig
 from specdec.decoding.request import (
     Q_MESSAGE_HEADROOM_BYTES,
@@ -24,11 +24,13 @@ from specdec.decoding.request import (
     prepare_request,
     q_message_bytes,
 )
-from specdec.decoding.sampling import GREEDY_BELOW_TEMPERATURE, processed_probs, truncate_top_n
+from specdec.decoding.sampling import GREEDY_BELOW_TEMPERATURE
 from specdec.decoding.stopping import STOP, StopChecker
 from specdec.errors import ConfigError, InvalidRequestError, MalformedRequest
-from specdec.pairs.tiny import PROMPTS, build_tokenizer
+from specdec.models.tiny import PROMPTS, build_tokenizer
+from specdec.servicer import parse_or_mark
 from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.worker.sampling import processed_probs, truncate_top_n
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "deployments" / "config").glob("*.yaml"))
@@ -60,7 +62,7 @@ def test_shipped_configs_fit_the_limits(path):
     router = next(d for d in app["deployments"] if d["name"] == "SpeculativeRouter")
     assert router["max_queued_requests"] >= 1
     functions = raw["grpc_options"]["grpc_servicer_functions"]
-    assert "specdec.client.add_servicer_to_server" in functions
+    assert "specdec.servicer.add_servicer_to_server" in functions
 
 
 def test_deploy_sets_the_proxy_message_bound_from_the_app():
@@ -217,7 +219,7 @@ def test_the_servicer_function_registers_every_method_with_the_marking_parser():
         def add_registered_method_handlers(self, name, handlers):
             recorded[name] = handlers
 
-    from specdec.client import add_servicer_to_server
+    from specdec.servicer import add_servicer_to_server
 
     class Servicer:
         Generate = GenerateStream = GetModelInfo = staticmethod(lambda *a: None)
@@ -306,7 +308,7 @@ def test_the_q_size_bound_holds_for_real_messages(vocab, top_n):
 
 
 def test_loadtest_reports_refused_apart_from_failures():
-    from specdec.tools.loadtest import LoadTest, format_summary, parse_stages
+    from specdec.bench.loadtest import LoadTest, format_summary, parse_stages
     from specdec.v1 import specdec_pb2_grpc
 
     class Router(specdec_pb2_grpc.SpeculativeDecodingServicer):

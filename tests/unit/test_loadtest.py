@@ -1,4 +1,4 @@
-"""specdec.tools.loadtest without Ray: stage parsing, statistics, a run on a fake gRPC server."""
+"""specdec.bench.loadtest without Ray: stage parsing, statistics, a run on a fake gRPC server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import grpc
 import pytest
 
+from specdec.bench.loadtest import LoadTest, Stage, format_summary, parse_stages, percentiles
 from specdec.client import build_request
-from specdec.tools.loadtest import LoadTest, Stage, format_summary, parse_stages, percentiles
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 
@@ -90,7 +90,7 @@ def test_bounded_by_max_requests_and_the_drain_cuts_what_is_left():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from specdec.tools.plots import plot
+    from specdec.bench.plots import plot
 
     _, report = asyncio.run(_run(["a"], parse_stages("1x1s,2x1s")))
     for row in report["per_second"]:

@@ -12,7 +12,7 @@ from specdec.decoding.controller import CostModel
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
-from specdec.pairs.tiny import PROMPTS
+from specdec.models.tiny import PROMPTS
 
 
 class _Calls:

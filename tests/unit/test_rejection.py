@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.decoding import rejection
-from specdec.decoding.rejection import residual_distribution, verify_greedy, verify_sampled
+from specdec.worker import rejection
+from specdec.worker.rejection import residual_distribution, verify_greedy, verify_sampled
 
 V = 6
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec import InvalidRequestError, SamplingParams
-from specdec.decoding.sampling import (
+from specdec.worker.sampling import (
     processed_probs,
     request_generator,
     sparse_to_dense,

@@ -34,11 +34,10 @@ from forced_rounds import confidence_stop_choose
 from scipy import stats
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.decoding import rejection
 from specdec.decoding.controller import KController
-from specdec.decoding.sampling import processed_probs
-from specdec.models import proposer
-from specdec.pairs.tiny import save_pair
+from specdec.models.tiny import save_pair
+from specdec.worker import proposer, rejection
+from specdec.worker.sampling import processed_probs
 
 N = 2000
 PROMPT = "w1 w2 w3"
@@ -253,7 +252,7 @@ def test_neighbours_change_no_sampled_token(far_engine, sessions_per_forward):
     forwards. (With k auto a round's k depends on the load the controller sees, so a seed's
     draws do too: there the distribution tests above are the claim; greedy output is the same
     either way.)"""
-    from specdec.models import verifier
+    from specdec.worker import verifier
 
     shared = sessions_per_forward(verifier)
     cases = [(1, {"temperature": 1.0}), (2, {"temperature": 1.0}), ("auto", {"temperature": 0})]

@@ -32,7 +32,7 @@ def serve_handler():
 
 
 def test_calibration_info_lines_reach_the_replica_log_once(serve_handler):
-    calibration = logging.getLogger("specdec.models.calibration")
+    calibration = logging.getLogger("specdec.device.calibration")
     calibration.info("before")  # a Ray worker's root logger drops INFO: the bug
     route_specdec_logs()
     route_specdec_logs()  # idempotent: no second copy of each line
@@ -51,7 +51,7 @@ def test_specdec_lines_follow_the_level_serve_set_from_the_deployments_logging_c
         logging.getLogger("specdec.decoding.controller").debug("k=4 of 12")
         serve.setLevel(logging.WARNING)
         route_specdec_logs()
-        logging.getLogger("specdec.models.calibration").info("dropped at WARNING")
+        logging.getLogger("specdec.device.calibration").info("dropped at WARNING")
     finally:
         serve.setLevel(saved)
     assert serve_handler.messages == ["k=4 of 12"]

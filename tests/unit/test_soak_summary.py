@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.tools import soak
-from specdec.tools.soak import DRAFT, MB, ROUTER, TARGET, Outcome, RequestSpec
+from specdec.bench import soak
+from specdec.bench.soak import DRAFT, MB, ROUTER, TARGET, Outcome, RequestSpec
 
 DURATION = 100.0  # faults at 30, 50, 60 s; default schedule: 6 clients from 15 s, 1 from 70 s
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.decoding.stopping import LENGTH, STOP, StopChecker
-from specdec.pairs.tiny import build_tokenizer
+from specdec.models.tiny import build_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

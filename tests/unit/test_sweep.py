@@ -1,4 +1,4 @@
-"""specdec.tools.sweep without Ray: flag parsing, the prompt schedule, cell summaries, best
+"""specdec.bench.sweep without Ray: flag parsing, the prompt schedule, cell summaries, best
 fixed k, exactness against k=0 and the table from synthetic records; one cell and the whole
 command against a fake gRPC service."""
 
@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from specdec import cli
+from specdec.bench import sweep
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.sweep import RequestRecord
 from specdec.client import SpecdecClient
-from specdec.tools import sweep
-from specdec.tools.datasets import BenchPrompt
-from specdec.tools.sweep import RequestRecord
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 # --- flags ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ each candidate dtype,
 - ``forward_s[w - 1]``: the seconds of one forward over w positions extending a cache of
   CACHE_TOKENS positions, w = 1 .. max_width, and the prefill cost per prompt token;
 - for the target, which widths give bitwise the same row results as each other
-  (specdec.models.fixed_shape.measure_width_classes), the class whose forwards cover a
+  (specdec.device.exact_widths.measure_width_classes), the class whose forwards cover a
   lone request's 1 .. k_max + 1 rows and batches of up to max_batch_size sessions cheapest,
   and a whole-model check of it;
 
@@ -43,25 +43,25 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from specdec.decoding.controller import CostPrior, expected_tokens
-from specdec.models.device import describe_device
-from specdec.models.fixed_shape import (
+from specdec.decoding.controller import expected_tokens
+from specdec.device.exact_widths import (
     half_precision_rows,
     measure_width_classes,
     use_row_wise_attention,
     whole_forward_exact,
 )
-from specdec.models.gemm import (
+from specdec.device.gemm import (
     WEIGHT_MAJOR,
     bf16_weights_candidate,
     onednn_candidate,
     set_gemm,
     split_candidate,
 )
+from specdec.device.hardware import describe_device
 from specdec.models.loading import INT8, LoadedModel, load_model, quantize_int8
 
 if TYPE_CHECKING:
-    from specdec.models.calibration_cache import CalibrationCache
+    from specdec.device.calibration_cache import CalibrationCache
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Calibration:
 def candidate_dtypes(role: str, device: str | torch.device) -> list[str]:
     """The dtypes ``auto`` tries, in order: float32 and bfloat16 (a CPU), bfloat16 and float16
     (a GPU); on a CPU also each with oneDNN's reordered weights ("float32+dnnl",
-    "bfloat16+dnnl"; specdec.models.gemm, where onednn_available says the build and CPU have
+    "bfloat16+dnnl"; specdec.device.gemm, where onednn_available says the build and CPU have
     it) and float32 on bfloat16-stored weights ("float32+bf16w", where bf16_weights.available();
     a model with weights that are not bfloat16 values skips it), a target also float32 with
     weight-major GEMMs ("float32+wm"), a draft also int8 (its output never depends on the
@@ -230,7 +230,7 @@ def load_calibrated(
     for ``dtype="auto"``, in the fastest of candidate_dtypes(role, device) (loaded in float32,
     each candidate a cast of it). ``exact_widths`` and ``max_batch_size`` as for calibrate.
 
-    With a ``cache`` (specdec.models.calibration_cache), a calibration made before for the same
+    With a ``cache`` (specdec.device.calibration_cache), a calibration made before for the same
     architecture, settings and device is reused instead of measured (minutes on a CPU), once
     its exact widths pass the whole-model check on this model again; a new one is stored. A
     replica that waited for another's measurement on this host (``_one_at_a_time``) looks again
@@ -535,7 +535,7 @@ def predicted_request_seconds(
     excluded (it is the same whatever the target's dtype); a draft decodes one row per token.
 
     This is the dtype choice's yardstick, not a forecast: the controller prices the real rounds.
-    Measured case: the bundled target's weight-major float32 (specdec.models.gemm) costs 0.41 s
+    Measured case: the bundled target's weight-major float32 (specdec.device.gemm) costs 0.41 s
     at every width 2-17 on a 2-core AVX-512 Xeon, F.linear's 0.25 s at 2 rows and 0.89 s at 13;
     at acceptance 0.7 alone the two tie, but weight-major would make plain decoding 1.6x slower.
     """
@@ -771,38 +771,3 @@ def _timed(device: torch.device, fn) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def cost_prior(
-    target, draft, max_speculative_tokens: int, max_batch_size: int = 1
-) -> CostPrior | None:
-    """The controller's starting costs from two specdec.v1.DeviceCalibration messages: verify
-    of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
-    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward, a
-    longer catch-up = the draft's prefill seconds per token, and a batched verify of r rows, r
-    up to max_batch_size x (k_max + 1), = r rows in the exact widths. None when either side
-    reported no costs."""
-    target_chosen, draft_chosen = _chosen(target), _chosen(draft)
-    target_costs = tuple(target_chosen.forward_s) if target_chosen else ()
-    draft_costs = tuple(draft_chosen.forward_s) if draft_chosen else ()
-    if not target_costs or not draft_costs:
-        return None
-    draft_prefill = draft_chosen.prefill_s_per_token
-    exact = ExactWidths(
-        tuple(target.exact_widths) or tuple(range(1, len(target_costs) + 1)), target_costs
-    )
-    verify_s = [exact.rows_seconds(k + 1) for k in range(max_speculative_tokens + 1)]
-    catchup_s = draft_costs[1] if len(draft_costs) > 1 else None
-    batch_rows = max_batch_size * (max_speculative_tokens + 1) if max_batch_size > 1 else 0
-    return CostPrior(
-        verify_s=verify_s,
-        draft_step_s=draft_costs[0],
-        catchup_s=catchup_s,
-        batch_verify_s=[exact.rows_seconds(rows) for rows in range(1, batch_rows + 1)],
-        catchup_token_s=draft_prefill if draft_prefill > 0 else None,  # 0: not reported
-    )
-
-
-def _chosen(message):
-    """The DtypeCost of the dtype a DeviceCalibration message chose; None without one."""
-    return next((c for c in message.candidates if c.dtype == message.dtype), None)

@@ -2,7 +2,7 @@
 
 ``serve.status()`` needs a Ray driver connection; a driver in the load generator's own process
 would share its event loop's CPU and GIL with Ray's threads and pull Ray into a command that
-otherwise only speaks gRPC. So a child process (``python -m specdec.tools.replica_monitor``)
+otherwise only speaks gRPC. So a child process (``python -m specdec.bench.replica_monitor``)
 connects once, polls every ``interval_s`` seconds and prints one JSON line per sample; the parent
 reads those lines with asyncio, so its event loop never blocks on Ray.
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-DEFAULT_APPLICATION = "specdec"
+from specdec.config import APPLICATION
 
 
 class ReplicaMonitor:
@@ -34,7 +34,7 @@ class ReplicaMonitor:
     """
 
     def __init__(
-        self, ray_address: str, application: str = DEFAULT_APPLICATION, interval_s: float = 1.0
+        self, ray_address: str, application: str = APPLICATION, interval_s: float = 1.0
     ) -> None:
         self.ray_address = ray_address
         self.application = application
@@ -60,7 +60,7 @@ class ReplicaMonitor:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "specdec.tools.replica_monitor",
+            "specdec.bench.replica_monitor",
             "--ray-address",
             self.ray_address,
             "--application",
@@ -162,7 +162,7 @@ def _poll(ray_address: str, application: str, interval_s: float) -> None:
 if __name__ == "__main__":
     cli = argparse.ArgumentParser(description=__doc__)
     cli.add_argument("--ray-address", required=True)
-    cli.add_argument("--application", default=DEFAULT_APPLICATION)
+    cli.add_argument("--application", default=APPLICATION)
     cli.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     opts = cli.parse_args()
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):

@@ -8,13 +8,13 @@ import time
 import torch
 
 from specdec.config import SpecdecConfig
-from specdec.decoding.sampling import processed_probs, request_generator, sample, truncate_top_n
-from specdec.models.calibration import Calibration
-from specdec.models.kv_cache import ActiveSession
+from specdec.device.calibration import Calibration
 from specdec.models.loading import LoadedModel
-from specdec.models.packed import Segment, packed_forward, prepare_packing, supports_packing
-from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
+from specdec.worker.kv_cache import ActiveSession
+from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
+from specdec.worker.sampling import processed_probs, request_generator, sample, truncate_top_n
+from specdec.worker.session import SessionModel
 
 DRAFT_STREAM = "draft"
 
@@ -70,7 +70,7 @@ class DraftProposer(SessionModel):
         self, requests: list[worker_pb2.ProposeRequest]
     ) -> list[worker_pb2.ProposeResponse | ValueError]:
         """propose() for several sessions at once: each draft step runs the sessions still
-        drafting as one packed forward (specdec.models.packed), one row each (the catch-up rows
+        drafting as one packed forward (specdec.worker.packed), one row each (the catch-up rows
         first), and a session leaves the batch when its k or its confidence stop ends its
         draft.
 

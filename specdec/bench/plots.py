@@ -1,6 +1,6 @@
 """The load test's figure: load, latency and replicas per deployment over time.
 
-Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.tools.plots IN.json
+Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.bench.plots IN.json
 OUT.png`` redraws a saved report.
 """
 
@@ -128,6 +128,6 @@ def _legend(*axes) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m specdec.tools.plots REPORT.json OUT.png")
+        sys.exit("usage: python -m specdec.bench.plots REPORT.json OUT.png")
     with open(sys.argv[1]) as report_file:
         plot(json.load(report_file), sys.argv[2])

@@ -4,7 +4,7 @@
 handful of rows that path is far from flat: one 2-core AVX-512 Xeon's float32 MLP projection of
 Qwen2.5-1.5B (8960 x 1536) took 1.2 ms at 1-3 rows, 2.7 ms at 4, 7.0 ms at 13 and 4.3 ms at 16.
 A verify forward is exactly such a handful of rows, so a CPU target's calibration
-(specdec.models.calibration) also measures two other ways to compute the same product, and
+(specdec.device.calibration) also measures two other ways to compute the same product, and
 keeps the fastest that stays exact (which widths give a row bitwise the same result is measured
 with the chosen GEMM, like everything else):
 
@@ -12,7 +12,7 @@ with the chosen GEMM, like everything else):
   otherwise. The Xeon above: 3.0-3.9 ms at every width 2-16.
 - ``float32+dnnl``: oneDNN's inner product on a weight reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
-  freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.tools.gemm_bench
+  freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.bench.gemm_bench
   --layers 1`) the projection took 3.9 ms at 1 row and 6.3 ms at 13 against F.linear's 5.2 and
   16.6, every width 1-17 rounding a row the same way; the 151936-row lm_head took 112 ms at 13
   rows against 343-397 ms. The reordered weight replaces the plain one (same bytes), except
@@ -24,7 +24,7 @@ with the chosen GEMM, like everything else):
   Qwen2.5-1.5B (28 distinct layers in turn, so the weights come from memory) took 2.0 ms at 1-4
   rows and 2.5 ms at 13 against F.linear's 3.0 and 3.7, with bitwise the same outputs; a
   128-row prefill 14.6 ms against 18.2.
-- ``float32+bf16w``: float32 arithmetic on weights stored in bfloat16 (specdec.models.bf16_weights,
+- ``float32+bf16w``: float32 arithmetic on weights stored in bfloat16 (specdec.device.bf16_weights,
   x86-64 with AVX2 and FMA), for a model whose every weight is a bfloat16 (a bundled model's
   are), so it is the float32 model reading half the bytes, and every width rounds a row the
   same way. Where oneDNN has no bfloat16 (an AVX2-only CPU) it is the cheapest exact way to run
@@ -39,7 +39,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from specdec.models import bf16_weights
+from specdec.device import bf16_weights
 
 WEIGHT_MAJOR = "+wm"  # the suffix of a candidate whose linear layers run W @ x^T
 ONEDNN = "+dnnl"  # the suffix of a candidate whose linear layers run oneDNN on reordered weights

@@ -15,7 +15,7 @@ thread reads one sequential stream, and each pass over a pair widens its weights
 4 activation rows.
 
 Measured on the 2-core AVX-512 BF16 EPYC emulating the AVX2-only one (``ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2 python -m specdec.tools.gemm_bench --shape 8960x1536 --rows
+ONEDNN_MAX_CPU_ISA=AVX2 python -m specdec.bench.gemm_bench --shape 8960x1536 --rows
 1,2,3,4,5,8,17 --layers 28``, then ``--shape 1536x8960``: 28 distinct weights in turn, so they
 come from memory), milliseconds per call at 1 / 2 / 4 / 8 / 17 rows of Qwen2.5-1.5B's MLP
 projections, 8960 x 1536 and 1536 x 8960: this kernel 0.57 / 0.57 / 0.57 / 1.07 / 2.38 and 0.43
@@ -28,7 +28,7 @@ bandwidth moves by up to 1.8x from minute to minute, so compare columns of one r
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja,
 about 15 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under a name that includes a hash of the source and the torch version; later processes load
-the built library directly. ``python -m specdec.models.bf16_weights`` builds it ahead (``make
+the built library directly. ``python -m specdec.device.bf16_weights`` builds it ahead (``make
 install`` does).
 """
 

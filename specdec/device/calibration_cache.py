@@ -13,7 +13,7 @@ source), the measurement's constants and FORMAT. Anything else that changes what
 means must bump FORMAT.
 
 A reused calibration still checks its exact widths on the loaded model before it is trusted
-(specdec.models.calibration.load_calibrated): exactness is the product, timings only a choice.
+(specdec.device.calibration.load_calibrated): exactness is the product, timings only a choice.
 
 Measured on the bundled target (2-core AVX2 EPYC): a measurement took 122 s in process and
 281 s inside a local cluster; reusing one takes its whole-model check, about 5 s.
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import transformers
 
-from specdec.models import bf16_weights
-from specdec.models import calibration as measurement
-from specdec.models.calibration import Calibration, DtypeMeasurement, ExactWidths
-from specdec.models.device import describe_device
-from specdec.models.gemm import BF16_WEIGHTS, split_candidate
+from specdec.device import bf16_weights
+from specdec.device import calibration as measurement
+from specdec.device.calibration import Calibration, DtypeMeasurement, ExactWidths
+from specdec.device.gemm import BF16_WEIGHTS, split_candidate
+from specdec.device.hardware import describe_device
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from specdec.bench.datasets import BenchPrompt
 from specdec.decoding.stats import SpeculationStats
-from specdec.tools.datasets import BenchPrompt
 
 TARGET_ONLY, SPECULATIVE, HF_ASSISTED = "target_only", "speculative", "hf_assisted"
 PLAIN, ENGINE = "plain_generate", "engine"
@@ -98,7 +98,7 @@ class StepCosts:
         """Seconds of one verify over ``rows`` positions, padded as the verifier pads."""
         if not self.exact_widths:
             return _cost(self.verify_forward_s, rows)
-        from specdec.models.calibration import ExactWidths
+        from specdec.device.calibration import ExactWidths
 
         return ExactWidths(self.exact_widths, self.verify_forward_s).rows_seconds(rows)
 

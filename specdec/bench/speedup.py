@@ -1,6 +1,6 @@
 """`specdec bench`: what speculation buys, measured through the deployed service.
 
-For every prompt of a prompt set (specdec.tools.datasets), one request at a time, the three
+For every prompt of a prompt set (specdec.bench.datasets), one request at a time, the three
 modes one after the other before the next prompt (so that a busy host's drift over minutes
 weighs on all three alike):
 
@@ -10,7 +10,7 @@ weighs on all three alike):
    the dtype measured fastest on this machine: THE baseline a user would run without us
    (skip: ``--no-plain``);
 
-then, in this process and one mode's models at a time (specdec.tools.bench_inprocess; each
+then, in this process and one mode's models at a time (specdec.bench.inprocess; each
 freed before the next loads, each skipped with a printed reason when its models do not fit in
 the memory available):
 
@@ -19,7 +19,7 @@ the memory available):
 5. ``engine``: specdec.engine.SpeculativeEngine on the service's models, dtypes and k (skip
    it with ``--no-engine``).
 
-Reported per mode (specdec.tools.bench_figures): tokens per second, TTFT, the speedup over
+Reported per mode (specdec.bench.figures): tokens per second, TTFT, the speedup over
 plain_generate (``vs plain``) and over the service's k = 0 (``vs k=0``), acceptance, tokens per
 round, mean k, the bound predicted from acceptance per draft position and the replicas'
 isolated step costs and the share of it achieved, orchestration per round, and, greedy only,
@@ -39,10 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.client import SpecdecClient, build_request
-from specdec.decoding.stats import SpeculationStats
-from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
-from specdec.tools.bench_figures import (
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.figures import (
     ENGINE,
     HF_ASSISTED,
     PLAIN,
@@ -56,7 +54,9 @@ from specdec.tools.bench_figures import (
     step_costs,
     summarize,
 )
-from specdec.tools.datasets import BenchPrompt
+from specdec.client import SpecdecClient, build_request
+from specdec.decoding.stats import SpeculationStats
+from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
 
 SERVICE_MODES = (TARGET_ONLY, SPECULATIVE)
 WARM_UP_TOKENS = 16
@@ -118,11 +118,11 @@ def plot(results: Sequence[PromptResult], summary: dict[str, dict[str, Any]], pa
 
 
 def machine(device: str = "cpu") -> str:
-    """One line naming this machine: the device (specdec.models.device.describe_device: CPU
+    """One line naming this machine: the device (specdec.device.hardware.describe_device: CPU
     model, ISA flags, torch kernel level, threads; or the GPU), cores, memory, torch, Python."""
     import torch
 
-    from specdec.models.device import describe_device
+    from specdec.device.hardware import describe_device
 
     try:
         memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
@@ -208,7 +208,7 @@ def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
     """plain_generate's target (bench_inprocess.PlainGenerate), warmed up, loaded while the
     service runs so that its runs interleave with the service's; None when skipped
     (--no-plain, or not enough memory, said why)."""
-    from specdec.tools import bench_inprocess as inproc
+    from specdec.bench import inprocess as inproc
 
     if args.no_plain:
         return None
@@ -230,7 +230,7 @@ def in_process_modes(
     """Runs hf_assisted (on ``plain``'s target when it ran) and engine (those not skipped) on
     the service's model files, freeing each mode's models, and ``plain``'s, before the next
     loads. Returns what each ran, in words, plain_generate's included."""
-    from specdec.tools import bench_inprocess as inproc
+    from specdec.bench import inprocess as inproc
 
     described: dict[str, str] = {}
     if plain:
@@ -252,7 +252,7 @@ def in_process_modes(
 def model_files_here(info) -> bool:
     """Whether the service's model files are on this machine too, for the in-process modes
     (said why not)."""
-    from specdec.tools import bench_inprocess as inproc
+    from specdec.bench import inprocess as inproc
 
     missing = [
         p
@@ -265,7 +265,7 @@ def model_files_here(info) -> bool:
 
 
 def _engine_mode(info, results: Sequence[PromptResult], args, device: str) -> dict[str, str]:
-    from specdec.tools import bench_inprocess as inproc
+    from specdec.bench import inprocess as inproc
 
     models = [(info.draft_model, info.draft_dtype), (info.target_model, info.target_dtype)]
     if not inproc.fits_in_memory(ENGINE, models, device):
@@ -282,7 +282,7 @@ def _engine_mode(info, results: Sequence[PromptResult], args, device: str) -> di
 def _hf_mode(info, results: Sequence[PromptResult], args, device: str, plain) -> dict[str, str]:
     """HF assisted on plain_generate's target (its fastest dtype) when it ran, else on the
     service's target dtype."""
-    from specdec.tools import bench_inprocess as inproc
+    from specdec.bench import inprocess as inproc
 
     target_dtype = plain.dtype if plain else info.target_dtype
     models = [(info.draft_model, info.draft_dtype)]
@@ -395,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
         ValueError: no directory for --json / --plot, or a bad dataset. ImportError: --plot
         without matplotlib. grpc.RpcError: the service refused or failed a request.
     """
-    from specdec.tools.datasets import load_prompts
+    from specdec.bench.datasets import load_prompts
 
     prompts = load_prompts(
         args.dataset, category=args.category, limit=args.limit, data_file=args.data_file

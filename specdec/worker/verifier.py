@@ -7,15 +7,15 @@ import time
 import torch
 
 from specdec.config import SpecdecConfig
-from specdec.decoding.rejection import verify_greedy, verify_sampled
-from specdec.decoding.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.models.calibration import Calibration, ExactWidths, calibrate
-from specdec.models.fixed_shape import use_row_wise_attention
-from specdec.models.kv_cache import ActiveSession
+from specdec.device.calibration import Calibration, ExactWidths, calibrate
+from specdec.device.exact_widths import use_row_wise_attention
 from specdec.models.loading import LoadedModel
-from specdec.models.packed import Segment, packed_forward, prepare_packing, supports_packing
-from specdec.models.session import SessionModel
 from specdec.v1 import worker_pb2
+from specdec.worker.kv_cache import ActiveSession
+from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
+from specdec.worker.rejection import verify_greedy, verify_sampled
+from specdec.worker.sampling import processed_probs, request_generator, sparse_to_dense
+from specdec.worker.session import SessionModel
 
 TARGET_STREAM = "target"
 
@@ -29,8 +29,8 @@ class TargetVerifier(SessionModel):
             models.fixed_shape_verify: unless it is False, every decode forward is padded to
             one of the widths the device calibration found exact (``exact``), with row-wise
             attention, so a position's logits do not depend on k, and a rebuild replays the
-            prompt's prefill (specdec.models.fixed_shape explains why).
-        calibration: what the replica measured at start-up (specdec.models.calibration);
+            prompt's prefill (specdec.device.exact_widths explains why).
+        calibration: what the replica measured at start-up (specdec.device.calibration);
             None measures it now, in the loaded dtype.
     Attributes:
         exact: the exact widths and their costs; None when fixed shapes are off or the device
@@ -85,7 +85,7 @@ class TargetVerifier(SessionModel):
         self, requests: list[worker_pb2.VerifyRequest]
     ) -> list[worker_pb2.VerifyResponse | ValueError]:
         """verify() for several sessions at once: their rows run packed in shared forwards
-        (specdec.models.packed), each session attending over its own cache, then each is
+        (specdec.worker.packed), each session attending over its own cache, then each is
         accepted on its own (its own k, sampling parameters and seed).
 
         Greedy output is what verify() alone gives, bitwise, whatever shares the batch: rows

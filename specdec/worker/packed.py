@@ -11,9 +11,9 @@ lengths are never padded or copied into a shared block.
 Exactness. A packed row goes through exactly the arithmetic it would get alone:
 
 - norms, rotary embeddings and activations work row by row;
-- attention is specdec.models.fixed_shape's row-wise attention, per session;
+- attention is specdec.device.exact_widths's row-wise attention, per session;
 - the linear layers see more rows, which is where kernels round differently. Given the target's
-  exact widths (specdec.models.calibration.ExactWidths), the packed rows run in forwards of those
+  exact widths (specdec.device.calibration.ExactWidths), the packed rows run in forwards of those
   widths, the last padded with copies of its last row whose KV is cropped again, and the
   lm_head's rows are padded the same way. A row's logits then do not depend on which sessions
   share its forward, how many rows they bring, or where in the forward it sits.
@@ -32,9 +32,9 @@ import dataclasses
 import torch
 from transformers import AttentionInterface, Cache
 
-from specdec.models.calibration import ExactWidths
-from specdec.models.fixed_shape import row_wise_attention
-from specdec.models.kv_cache import SessionEntry
+from specdec.device.calibration import ExactWidths
+from specdec.device.exact_widths import row_wise_attention
+from specdec.worker.kv_cache import SessionEntry
 
 PACKED_ATTENTION = "specdec_packed_row_wise_sdpa"
 
@@ -115,7 +115,7 @@ def supports_packing(model: torch.nn.Module) -> str | None:
 
 def prepare_packing(model: torch.nn.Module) -> None:
     """Readies a loaded model for packed_forward: packed_attention, which gives its own
-    single-session forwards row-wise attention (specdec.models.fixed_shape).
+    single-session forwards row-wise attention (specdec.device.exact_widths).
 
     Raises:
         ValueError: the model's architecture is not supported (supports_packing says why).

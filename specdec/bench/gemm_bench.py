@@ -1,19 +1,19 @@
 """Milliseconds per linear-layer call by rows, for each GEMM path a verify forward could take.
 
-    python -m specdec.tools.gemm_bench                      # Qwen2.5-1.5B's MLP projection
-    python -m specdec.tools.gemm_bench --shape 1536x1536 --rows 1,2,13
+    python -m specdec.bench.gemm_bench                      # Qwen2.5-1.5B's MLP projection
+    python -m specdec.bench.gemm_bench --shape 1536x1536 --rows 1,2,13
 
 A verify forward runs every linear layer on k + 1 rows. How the cost grows with the rows decides
 what speculation can gain on a device, and on CPUs it depends on the path far more than on the
 arithmetic: this prints, per row count, the float32 (or --dtype) call of
 
 - ``F.linear``: what transformers runs (MKL's sgemm on a CPU);
-- ``weight-major``: (W @ x^T)^T, the calibration candidate ``float32+wm`` (specdec.models.gemm);
+- ``weight-major``: (W @ x^T)^T, the calibration candidate ``float32+wm`` (specdec.device.gemm);
 - ``onednn-packed``: oneDNN's inner product on a weight reordered once for the call's row count
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
   freezing emits), skipped where this torch build lacks the ops;
 - ``bf16-weights``: float32 arithmetic on the weight stored in bfloat16 (``float32+bf16w``,
-  specdec.models.bf16_weights), for a float32 weight where that kernel is available.
+  specdec.device.bf16_weights), for a float32 weight where that kernel is available.
 
 and whether each path's rows equal F.linear's bitwise. The weights are bfloat16 values (as in a
 bundled checkpoint), and ``--layers`` distinct ones are called in turn, so that, as in a forward,
@@ -21,7 +21,7 @@ they come from memory rather than from a cache that holds one layer. The header 
 (model, ISA flags, torch's kernel level, threads). A benchmark, never a test: nothing here
 asserts a time.
 
-    python -m specdec.tools.gemm_bench --shape 8960x1536 --rows 1,4,8,17 --layers 28
+    python -m specdec.bench.gemm_bench --shape 8960x1536 --rows 1,4,8,17 --layers 28
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.models import bf16_weights
-from specdec.models.device import describe_device
-from specdec.models.gemm import onednn_available, onednn_linear, onednn_reorder
+from specdec.device import bf16_weights
+from specdec.device.gemm import onednn_available, onednn_linear, onednn_reorder
+from specdec.device.hardware import describe_device
 from specdec.tools.args import run_standalone
 
 DEFAULT_SHAPE = "8960x1536"  # Qwen2.5-1.5B's MLP up/gate projection: out x in features
@@ -43,7 +43,7 @@ DEFAULT_ROWS = "1,2,3,4,8,13,16,32"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `python -m specdec.tools.gemm_bench`."""
+    """The flags of `python -m specdec.bench.gemm_bench`."""
     parser.add_argument("--shape", default=DEFAULT_SHAPE, help="OUTxIN features of the weight")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated row counts")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.tools.bench_figures import ENGINE, HF_ASSISTED, PLAIN, Run
-from specdec.tools.datasets import BenchPrompt
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.figures import ENGINE, HF_ASSISTED, PLAIN, Run
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4}  # int8 loads as float32
 MEMORY_MARGIN = 1.3  # activations, KV caches, allocator slack over the weights
@@ -64,14 +64,14 @@ def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
     """What plain_generate tries: float32 and bfloat16 on a CPU, bfloat16 and float16 on a GPU;
     with ``gemms``, on a CPU also the service's GEMM candidates where the CPU has them (each
     dtype on oneDNN's reordered weights, "float32+dnnl" and "bfloat16+dnnl", and float32 on
-    bfloat16-stored weights, "float32+bf16w": specdec.models.gemm), so that a speedup over it
+    bfloat16-stored weights, "float32+bf16w": specdec.device.gemm), so that a speedup over it
     is speculation's alone."""
     if device.startswith("cuda"):
         return ["bfloat16", "float16"]
     dtypes = ["float32", "bfloat16"]
     if not gemms:
         return dtypes
-    from specdec.models.gemm import bf16_weights_candidate, onednn_candidate
+    from specdec.device.gemm import bf16_weights_candidate, onednn_candidate
 
     return dtypes + [c for d in dtypes for c in onednn_candidate(d)] + bf16_weights_candidate()
 
@@ -79,7 +79,7 @@ def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
 def dtype_bytes(candidate: str) -> int:
     """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl" and "float32+bf16w":
     bfloat16's 2)."""
-    from specdec.models.gemm import BF16_WEIGHTS, split_candidate
+    from specdec.device.gemm import BF16_WEIGHTS, split_candidate
 
     base, gemm = split_candidate(candidate)
     return DTYPE_BYTES["bfloat16"] if gemm == BF16_WEIGHTS else DTYPE_BYTES.get(base, 4)
@@ -217,13 +217,13 @@ def free_memory(device: str) -> None:
 
 def load_as(spec: str, candidate: str, device: str, rows_hint: int = 1):
     """load_model in a calibration candidate's dtype ("bfloat16+dnnl": bfloat16), its linear
-    layers on the candidate's GEMM (specdec.models.gemm.set_gemm; oneDNN's weights reordered
+    layers on the candidate's GEMM (specdec.device.gemm.set_gemm; oneDNN's weights reordered
     for calls of about ``rows_hint`` rows), as a replica that chose it runs them.
 
     Raises:
         ModelLoadError: as load_model; ValueError: as set_gemm.
     """
-    from specdec.models.gemm import set_gemm, split_candidate
+    from specdec.device.gemm import set_gemm, split_candidate
     from specdec.models.loading import load_model
 
     base, gemm = split_candidate(candidate)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.decoding.sampling import sample
+from specdec.worker.sampling import sample
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:

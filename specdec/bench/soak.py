@@ -7,7 +7,7 @@ target nodes on loopback), deploys the shipped ``local.yaml`` with the tiny pair
 and autoscaling on every deployment with delays of seconds, and then runs the load for
 ``--duration`` seconds:
 
-- a few client threads send greedy requests: every prompt of specdec.pairs.tiny, 16..64 new
+- a few client threads send greedy requests: every prompt of specdec.models.tiny, 16..64 new
   tokens, k 0, 1, 3 or adaptive, unary or streaming (a fixed shuffled cycle);
 - the number of busy clients follows ``--schedule`` (default ``1@0,6@0.15,1@0.7``: 1 client,
   6 from 15 % of the run, 1 again from 70 %), so the target scales 1 -> 2 -> 1;
@@ -57,9 +57,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.config import APPLICATION
+
 DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
 DEPLOYMENTS = (DRAFT, TARGET, ROUTER)
-APPLICATION = "specdec"
 MB = 1_000_000
 KS: tuple[int | None, ...] = (0, 1, 3, None)  # None: num_speculative_tokens unset (adaptive)
 NEW_TOKENS = (16, 32, 48, 64)
@@ -255,7 +256,7 @@ class Timeline:
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
-    """One greedy request of the soak: prompt (index into specdec.pairs.tiny.PROMPTS), new
+    """One greedy request of the soak: prompt (index into specdec.models.tiny.PROMPTS), new
     tokens, speculative tokens (None: adaptive) and unary or streaming."""
 
     prompt_index: int
@@ -888,7 +889,7 @@ class Load:
         import grpc
 
         from specdec.client import build_request
-        from specdec.pairs.tiny import PROMPTS
+        from specdec.models.tiny import PROMPTS
 
         spec = outcome.spec
         request = build_request(
@@ -994,7 +995,7 @@ class Runner:
         schedule: Schedule,
         opts: argparse.Namespace,
     ) -> None:
-        from specdec.pairs.tiny import PROMPTS
+        from specdec.models.tiny import PROMPTS
 
         t0 = time.monotonic()
         self.clock = lambda: time.monotonic() - t0
@@ -1134,7 +1135,7 @@ def soak(opts: argparse.Namespace, workdir: Path) -> dict:
         RuntimeError: the cluster or the deployment did not come up.
     """
     from specdec.cluster.local import LocalCluster
-    from specdec.pairs.tiny import PROMPTS, save_pair
+    from specdec.models.tiny import PROMPTS, save_pair
 
     schedule = parse_schedule(opts.schedule, opts.duration)
     started = time.monotonic()
@@ -1268,6 +1269,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m specdec.tools.soak", description=__doc__)
+    cli = argparse.ArgumentParser(prog="python -m specdec.bench.soak", description=__doc__)
     add_cli_args(cli)
     sys.exit(main(cli.parse_args()))

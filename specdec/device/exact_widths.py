@@ -10,7 +10,7 @@ bundled Qwen pair: 2 of 12 HumanEval prompts diverged from target-only within 10
 
 Three things make every decode-time position see exactly the same arithmetic, in any dtype:
 
-1. Exact widths (measure_width_classes, chosen by specdec.models.calibration): a GEMM kernel
+1. Exact widths (measure_width_classes, chosen by specdec.device.calibration): a GEMM kernel
    picks its code path by the number of rows, so a row's result can depend on how many rows
    share the call (one 2-core AVX-512 CPU's float32 GEMM rounds a 1-row call one way, 2-15 rows
    another, 16 or more a third) and even on where the row sits (the tiny test target's

@@ -10,10 +10,10 @@ import torch
 from transformers import DynamicCache
 
 from specdec.config import SpecdecConfig
-from specdec.models.calibration import Calibration
-from specdec.models.kv_cache import ActiveSession, SessionCacheStore, SessionEntry
+from specdec.device.calibration import Calibration
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
+from specdec.worker.kv_cache import ActiveSession, SessionCacheStore, SessionEntry
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -36,10 +36,10 @@ class SessionModel:
     Args:
         loaded: the model and tokenizer.
         config: its models.cache_capacity_bytes bounds the session LRU, in bytes of the storage
-            its key and value tensors hold (specdec.models.kv_cache.cache_nbytes), and
+            its key and value tensors hold (specdec.worker.kv_cache.cache_nbytes), and
             models.cache_idle_s expires idle sessions.
         calibration: what the replica measured on its device at start-up
-            (specdec.models.calibration), kept for reporting; None when not measured. Its
+            (specdec.device.calibration), kept for reporting; None when not measured. Its
             prefill cost per token turns models.batch_prefill_s into ``prefill_budget``.
     Attributes:
         prefill_budget: prompt tokens a batch may prefill beyond its first prefill (None: no

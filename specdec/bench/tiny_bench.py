@@ -1,7 +1,7 @@
 """Throughput and acceptance on the tiny pair, in process or through a running service.
 
-    python -m specdec.tools.tiny_bench                       # in-process SpeculativeEngine
-    python -m specdec.tools.tiny_bench --address 127.0.0.1:9000   # through the gRPC service
+    python -m specdec.bench.tiny_bench                       # in-process SpeculativeEngine
+    python -m specdec.bench.tiny_bench --address 127.0.0.1:9000   # through the gRPC service
 
 Greedy, the tiny prompts, 128 new tokens, k = 0 (target only), fixed k and "auto". Through the
 service it also reports the orchestration overhead per decode round (round time minus draft and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stats import SpeculationStats
-from specdec.pairs.tiny import PROMPTS, save_pair
+from specdec.models.tiny import PROMPTS, save_pair
 from specdec.tools.args import run_standalone
 
 KS = (0, 1, 2, 4, 8, "auto")
@@ -75,7 +75,7 @@ def format_line(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `specdec tiny-bench` / `python -m specdec.tools.tiny_bench`."""
+    """The flags of `specdec tiny-bench` / `python -m specdec.bench.tiny_bench`."""
     parser.add_argument(
         "--address", help="gRPC HOST:PORT of a running service (default: in process)"
     )

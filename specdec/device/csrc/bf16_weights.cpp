@@ -6,7 +6,7 @@
 // along k, then a fixed reduction of the lanes), whatever the number of rows, the blocking or the
 // thread that computes it: a row's result does not depend on the width of the call.
 //
-// The weight comes packed (specdec.models.bf16_weights.pack): [ceil(N / 2), ceil(K / 16), 2, 16],
+// The weight comes packed (specdec.device.bf16_weights.pack): [ceil(N / 2), ceil(K / 16), 2, 16],
 // zero-padded, so that each pair of output rows is one contiguous stream, chunk by chunk. A call
 // of a few rows is bound by reading the weight, and one sequential stream per thread is what the
 // hardware prefetcher follows best: on the 2-core AVX2-emulating EPYC (a standalone C++ timing
@@ -14,7 +14,7 @@
 // four separate rows read 0.58 (a plain read of the same bytes: 0.36); two or four streams per
 // thread were slower than one.
 //
-// Built on first use by torch.utils.cpp_extension (specdec.models.bf16_weights), for x86-64 with
+// Built on first use by torch.utils.cpp_extension (specdec.device.bf16_weights), for x86-64 with
 // AVX2 and FMA, into torch.ops.specdec.
 
 #include <ATen/Parallel.h>

