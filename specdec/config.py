@@ -4,8 +4,8 @@ The Serve application's flat ``args`` (deployments/config/*.yaml) become a Specd
 SpecdecConfig.from_args, SpeculativeEngine's keyword arguments through SpecdecConfig.of; the
 round loop, proposer, verifier, router and deployments read that object and repeat no default.
 Every default lives here only, with its unit and meaning in the docstring under the field.
-README.md's configuration reference is generated from those docstrings (``python -m
-specdec.config``), and tests/unit/test_config.py fails when the two drift.
+docs/configuration.md, the configuration reference, is generated from those docstrings (``python
+-m specdec.config --write``), and tests/unit/test_config.py fails when the two drift.
 
 This module imports neither Ray nor torch: the CLI and the deploy code parse a config without
 loading a model.
@@ -434,8 +434,9 @@ def _at_least(name: str, value: int, low: int) -> None:
     _require(name, value >= low, f"must be at least {low}, got {value}")
 
 
-# The README's reference section, generated from the docstrings above.
+# The configuration reference (docs/configuration.md), generated from the docstrings above.
 
+REFERENCE = "docs/configuration.md"  # where `python -m specdec.config --write` writes it
 README_START = "<!-- config-reference:start -->"
 README_END = "<!-- config-reference:end -->"
 
@@ -463,7 +464,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference: one table per concern (setting, default, meaning)."""
+    """The configuration reference: one table per concern (setting, default, meaning)."""
     intro = (
         "Generated from `specdec/config.py` by `python -m specdec.config`. Each setting is a key "
         "of the Serve application's `args` (`deployments/config/*.yaml`) and a keyword argument "
@@ -489,7 +490,7 @@ def reference_markdown() -> str:
 
 
 def render_readme(text: str) -> str:
-    """``text`` (a README) with the reference between its markers replaced by
+    """``text`` (docs/configuration.md) with the reference between its markers replaced by
     reference_markdown().
 
     Raises:
@@ -510,9 +511,16 @@ def _yaml(value: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prints the reference; ``--write README.md`` replaces the file's marked section."""
+    """Prints the reference; ``--write`` replaces the marked section of REFERENCE (default
+    docs/configuration.md, relative to the working directory: run it from the repository root)."""
     parser = argparse.ArgumentParser(prog="python -m specdec.config", description=main.__doc__)
-    parser.add_argument("--write", metavar="README", help="update this file's marked section")
+    parser.add_argument(
+        "--write",
+        nargs="?",
+        const=REFERENCE,
+        metavar="REFERENCE",
+        help=f"update this file's marked section (default {REFERENCE})",
+    )
     args = parser.parse_args(argv)
     if not args.write:
         sys.stdout.write(reference_markdown())

@@ -1,4 +1,4 @@
-"""specdec.config: one settings object, validated at start-up, documented in the README."""
+"""specdec.config: one settings object, validated at start-up; reference: docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def _app_args(path: Path) -> dict:
     return next(app["args"] for app in raw["applications"] if app["name"] == "specdec")
 
 
-def test_the_readme_reference_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    assert render_readme(readme) == readme, (
-        "README.md's configuration reference differs from specdec/config.py: run "
-        "`python -m specdec.config --write README.md`"
+def test_the_configuration_reference_is_the_generated_one():
+    reference = (ROOT / config_module.REFERENCE).read_text()
+    assert render_readme(reference) == reference, (
+        f"{config_module.REFERENCE} differs from specdec/config.py: run "
+        "`python -m specdec.config --write`"
     )
 
 
