@@ -219,7 +219,7 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 # The retry hint of a RESOURCE_EXHAUSTED the router itself answers, in seconds (Serve's proxy
-# answers the requests past the router's max_queued_requests itself; see the README's Errors).
+# answers the requests past the router's max_queued_requests itself; see docs/service.md).
 RETRY_HINT_S = 1.0
 
 

@@ -30,7 +30,7 @@ k, auto / k=0, best fixed k / k=0, and each mode's aggregate tokens/s over its o
 (the smallest concurrency when 1 is not swept).
 
 Baselines: k=0 through the service is the batching baseline (the same router, batching and
-replicas, no draft model), so ``vs k=0`` isolates what speculation adds under load. The README's
+replicas, no draft model), so ``vs k=0`` isolates what speculation adds under load. The benchmarks'
 baseline for a single request, plain transformers ``generate`` of the target alone in process,
 is `specdec bench`'s plain_generate; the sweep does not run it.
 

@@ -743,7 +743,7 @@ def _seconds_per_token(exact: ExactWidths, k_max: int, max_batch_size: int = 1) 
     forwards, and 4 streams ran auto at 1.01x k = 0 (7.8 against 7.7 tokens/s). Priced at
     loads 1-8 it is 12 or 13, as the start-up's timings fall; set to 12, 4 streams ran auto at
     1.39x k = 0 (10.4 against 7.5), one stream 3.2 tokens/s at k = 0 against 3.4 and 8.4 with
-    auto against 7.9 (specdec sweep, README "Under load")."""
+    auto against 7.9 (specdec sweep; README.md at f1f89f8, "Under load")."""
     loads = _batch_loads(max_batch_size)
     total = 0.0
     for sessions in loads:

@@ -1,4 +1,4 @@
-"""The local cluster opens no more than it must (README, "Network exposure").
+"""The local cluster opens no more than it must (docs/operations.md, "Network exposure").
 
 Every TCP port a process of the cluster listens on is on loopback, except the two Serve servers
 Ray binds to all interfaces without a setting (the gRPC proxy and each replica's
@@ -31,7 +31,8 @@ pytestmark = [
 ]
 
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp{,6}
-# Ray binds these to all interfaces whatever the node's address (README, "Network exposure").
+# Ray binds these to all interfaces whatever the node's address (docs/operations.md, "Network
+# exposure").
 GRPC_PROXY = "ray::ProxyActor"
 REPLICA = "ray::ServeReplica:"
 

@@ -1,7 +1,7 @@
-"""A one-minute `specdec soak` in float32 (the 10-minute runs in both dtypes are in the README,
-"Soak"): mixed greedy load while the target scales 1 -> 2 -> 1, one target replica is killed and
-the draft node is killed and started again; no request fails and every output is the
-target-only one.
+"""A one-minute `specdec soak` in float32 (the 10-minute runs in both dtypes are in
+benchmarks/RESULTS.md): mixed greedy load while the target scales 1 -> 2 -> 1, one target
+replica is killed and the draft node is killed and started again; no request fails and every
+output is the target-only one.
 
 Marked ``soak`` (minutes on a cluster of its own): `make test` leaves it out; run it with
 ``pytest -m soak tests/integration/test_soak.py``. The soak runs as a subprocess: it connects

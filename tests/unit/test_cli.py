@@ -155,7 +155,8 @@ def test_k8s_module_runs_standalone():
 
 
 def test_tiny_bench_module_runs_standalone():
-    """README calls `python -m specdec.bench.tiny_bench`: its own parser, same flags."""
+    """benchmarks/README.md calls `python -m specdec.bench.tiny_bench`: its own parser, same
+    flags."""
     run = subprocess.run(
         [sys.executable, "-m", "specdec.bench.tiny_bench", "--help"],
         cwd=ROOT,
