@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 
 from specdec.bench.replica_monitor import ReplicaMonitor
+from specdec.bench.report import percentiles, write_json
+from specdec.bench.requests import REFUSED, RequestRecord, send_async
 from specdec.client import DEFAULT_ADDRESS
 from specdec.config import APPLICATION
 from specdec.tools.args import add_k_arg
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
-# The gRPC code of a request refused by backpressure: it never ran, and may be retried later.
-REFUSED = "RESOURCE_EXHAUSTED"
 _STAGE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(ms|s|m)?$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
 
@@ -72,23 +72,14 @@ def parse_stages(text: str, flag: str = "--stages") -> list[Stage]:
     return stages
 
 
-@dataclasses.dataclass
-class RequestResult:
-    """One request: its prompt, stage, times (s since the run's start) and outcome."""
+@dataclasses.dataclass(kw_only=True)
+class RequestResult(RequestRecord):
+    """One request of the load (specdec.bench.requests.RequestRecord, times in s since the
+    run's start; ``ttft_s``: streaming, the first message's arrival; unary, the server's TTFT;
+    ``token_ids`` kept only with keep_outputs): its prompt and stage."""
 
     prompt_index: int
     stage: int
-    start_s: float
-    end_s: float = math.nan
-    ttft_s: float = math.nan  # streaming: first message's arrival; unary: the server's TTFT
-    tokens: int = 0
-    code: str = "OK"  # gRPC status code name
-    cut: bool = False  # cancelled by the end of the run, not failed
-    token_ids: list[int] | None = None  # kept only with keep_outputs
-
-    @property
-    def latency_s(self) -> float:
-        return self.end_s - self.start_s
 
 
 @dataclasses.dataclass
@@ -104,20 +95,6 @@ class _Second:
     concurrency: int = 0
     in_flight: int = 0
     replicas: dict | None = None
-
-
-def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
-    """{"p50": ...} by linear interpolation (numpy's default); None for no values."""
-    ordered = sorted(v for v in values if not math.isnan(v))
-    out: dict[str, float | None] = {}
-    for q in qs:
-        if not ordered:
-            out[f"p{q}"] = None
-            continue
-        pos = (len(ordered) - 1) * q / 100
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out[f"p{q}"] = round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 6)
-    return out
 
 
 class LoadTest:
@@ -216,7 +193,7 @@ class LoadTest:
             if self.max_requests is not None and len(self.results) >= self.max_requests:
                 return
             index = next(self._prompt) % len(self.requests)
-            result = RequestResult(index, self._stage, self._now())
+            result = RequestResult(prompt_index=index, stage=self._stage, start_s=self._now())
             self.results.append(result)
             self._bucket(result.start_s).started += 1
             task = asyncio.create_task(self._call(result))
@@ -227,31 +204,16 @@ class LoadTest:
                 self._in_flight.discard(task)
 
     async def _call(self, result: RequestResult) -> None:
-        request = self.requests[result.prompt_index]
-        metadata = (("application", self.application),)
-        method = self._stub.GenerateStream if self.stream else self._stub.Generate
-        call = method(request, metadata=metadata, timeout=self.request_timeout_s)
-        ids: list[int] = []
-        try:
-            if self.stream:
-                async for message in call:
-                    now = self._now()
-                    if math.isnan(result.ttft_s):
-                        result.ttft_s = now - result.start_s
-                    result.tokens += len(message.token_ids)
-                    self._bucket(now).tokens += len(message.token_ids)
-                    ids.extend(message.token_ids)
-            else:
-                response = await call
-                result.ttft_s, result.tokens = response.stats.ttft_s, len(response.token_ids)
-                self._bucket(self._now()).tokens += result.tokens
-                ids.extend(response.token_ids)
-        except grpc.aio.AioRpcError as err:
-            result.code = err.code().name
-        except asyncio.CancelledError:  # only the drain cancels: the run is over
-            call.cancel()
-            result.code, result.cut = "CANCELLED", True
-        result.end_s = self._now()
+        ids = await send_async(
+            self._stub,
+            self.requests[result.prompt_index],
+            result,
+            stream=self.stream,
+            metadata=(("application", self.application),),
+            timeout_s=self.request_timeout_s,
+            clock=self._now,
+            on_tokens=self._count_tokens,
+        )
         bucket = self._bucket(result.end_s)
         if result.cut:
             return
@@ -279,6 +241,9 @@ class LoadTest:
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
+
+    def _count_tokens(self, t: float, n: int) -> None:
+        self._bucket(t).tokens += n
 
     def _bucket(self, t: float) -> _Second:
         while len(self._seconds) <= int(t):
@@ -541,8 +506,6 @@ def main(args: argparse.Namespace) -> int:
 
     Returns 1 when any request failed, else 0 (requests refused under load are not failures).
     """
-    import json
-
     requests = build_requests(
         args.dataset,
         data_file=args.data_file,
@@ -576,12 +539,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     print(format_summary(report))
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
+        write_json(args.json, report)
     if args.plot:
-        from specdec.bench.plots import plot
+        from specdec.bench.plots import plot_loadtest
 
-        plot(report, args.plot)
+        plot_loadtest(report, args.plot)
     return 1 if report["summary"]["error_count"] else 0
 
 

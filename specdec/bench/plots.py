@@ -1,18 +1,40 @@
-"""The load test's figure: load, latency and replicas per deployment over time.
+"""The bench commands' figures, as PNG files: the load test's load, latency and replicas over
+time, the sweep's throughput and latency per concurrency, and `specdec bench`'s speedup per
+prompt.
 
 Needs matplotlib (``pip install -e '.[bench]'``). ``python -m specdec.bench.plots IN.json
-OUT.png`` redraws a saved report.
+OUT.png`` redraws a saved load test report.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from specdec.bench.figures import PLAIN, SPECULATIVE, TARGET_ONLY, PromptResult
 
 
-def plot(report: Mapping, path: str) -> None:
-    """Writes three stacked panels sharing the time axis (seconds since the run's start).
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend: files only, never a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path, dpi: int) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+
+
+def plot_loadtest(report: Mapping, path: str) -> None:
+    """`specdec loadtest`'s figure: three stacked panels sharing the time axis (seconds since
+    the run's start).
 
     1. load: client concurrency (left axis) and completed requests per second, 5-s mean
        (right axis); red crosses mark seconds with errors.
@@ -20,11 +42,7 @@ def plot(report: Mapping, path: str) -> None:
     3. RUNNING replicas per deployment (from serve.status()).
     Dashed vertical lines mark stage boundaries.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = report["per_second"]
     t = [r["t"] + 1 for r in rows]  # a record covers [t, t+1): draw it at its end
     fig, (load, latency, replicas) = plt.subplots(
@@ -103,9 +121,77 @@ def plot(report: Mapping, path: str) -> None:
         f"{summary['error_count']} errors, latency p95 "
         f"{'-' if p95 is None else f'{p95:.2f} s'}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, dpi=110)
+
+
+def plot_sweep(summary: Mapping[str, Any], path: str) -> None:
+    """`specdec sweep`'s figure, two panels: aggregate tokens/s vs concurrency, and latency p95
+    (seconds) vs concurrency, one line per mode."""
+    plt = _pyplot()
+    cells = summary["cells"]
+    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    concurrencies = sorted({c["concurrency"] for c in cells})
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in modes:
+        row = sorted((c for c in cells if c["mode"] == mode), key=lambda c: c["concurrency"])
+        for ax, value in (
+            (rate, lambda c: c["aggregate_tokens_per_s"]),
+            (latency, lambda c: c["latency_s"]["p95"]),
+        ):
+            points = [(c["concurrency"], value(c)) for c in row if value(c) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=mode)
+    for ax in (rate, latency):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.set_xlabel("concurrent streams")
+        ax.legend()
+    rate.set_ylim(bottom=0)
+    rate.set_ylabel("aggregate tokens / s")
+    rate.set_title("Aggregate throughput per mode")
+    latency.set_ylim(bottom=0)
+    latency.set_ylabel("latency p95 (s)")
+    latency.set_title("Request latency p95 per mode")
+    _save(fig, path, dpi=120)
+
+
+def plot_speedup(
+    results: Sequence[PromptResult], summary: dict[str, dict[str, Any]], path: str
+) -> None:
+    """`specdec bench`'s figure: speedup per prompt (one bar per mode, over plain_generate when
+    it ran, else over the service's k = 0) and acceptance per draft position."""
+    plt = _pyplot()
+    base = PLAIN if PLAIN in results[0].runs else TARGET_ONLY
+    modes = [m for m in results[0].runs if m != base]
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]}
+    )
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        speedups = [
+            r.runs[mode].tokens_per_second / r.runs[base].tokens_per_second for r in results
+        ]
+        left.bar([x + i * width for x in range(len(results))], speedups, width, label=mode)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks(
+        [x + width * (len(modes) - 1) / 2 for x in range(len(results))],
+        [r.prompt.id for r in results],
+        rotation=60,
+        ha="right",
+        fontsize=7,
+    )
+    left.set_ylabel(f"speedup over {base} (tokens/s)")
+    left.set_title(f"Speedup per prompt (baseline: {base})")
+    left.legend()
+    per_position = summary.get(SPECULATIVE, {}).get("acceptance_per_position") or []
+    points = [(i + 1, a) for i, a in enumerate(per_position) if a is not None]
+    if points:
+        right.plot([p for p, _ in points], [a for _, a in points], marker="o")
+    right.set_ylim(0, 1.05)
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance rate")
+    right.set_title("Acceptance per draft position (speculative)")
+    _save(fig, path, dpi=120)
 
 
 def _rolling_mean(values: list[float], width: int) -> list[float]:
@@ -130,4 +216,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m specdec.bench.plots REPORT.json OUT.png")
     with open(sys.argv[1]) as report_file:
-        plot(json.load(report_file), sys.argv[2])
+        plot_loadtest(json.load(report_file), sys.argv[2])

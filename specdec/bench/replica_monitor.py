@@ -1,4 +1,5 @@
-"""Replica counts of every Serve deployment, polled from ``serve.status()`` in a subprocess.
+"""Replica counts of every Serve deployment, polled from ``serve.status()`` in a subprocess
+(specdec.bench.replicas reads them).
 
 ``serve.status()`` needs a Ray driver connection; a driver in the load generator's own process
 would share its event loop's CPU and GIL with Ray's threads and pull Ray into a command that
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from specdec.bench.replicas import replica_states
 from specdec.config import APPLICATION
 
 
@@ -111,25 +113,6 @@ class ReplicaMonitor:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-
-
-def replica_states(application: str) -> dict[str, dict[str, int]]:
-    """{deployment: {replica state: count}} of one application, from ``serve.status()``.
-
-    Needs this process to be connected to Ray (``ray.init``); an application that does not
-    exist (yet) gives {}.
-    """
-    from ray import serve
-
-    app = serve.status().applications.get(application)
-    if app is None:
-        return {}
-    return {
-        name: {
-            str(getattr(state, "value", state)): count for state, count in d.replica_states.items()
-        }
-        for name, d in app.deployments.items()
-    }
 
 
 def _poll(ray_address: str, application: str, interval_s: float) -> None:

@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +51,7 @@ from specdec.bench.figures import (
     step_costs,
     summarize,
 )
+from specdec.bench.report import machine, run_record, write_json
 from specdec.client import SpecdecClient, build_request
 from specdec.decoding.stats import SpeculationStats
 from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
@@ -74,67 +72,7 @@ def service_run(
     )
 
 
-def plot(results: Sequence[PromptResult], summary: dict[str, dict[str, Any]], path: str) -> None:
-    """Speedup per prompt (one bar per mode, over plain_generate when it ran, else over the
-    service's k = 0) and acceptance per draft position, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = PLAIN if PLAIN in results[0].runs else TARGET_ONLY
-    modes = [m for m in results[0].runs if m != base]
-    fig, (left, right) = plt.subplots(
-        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]}
-    )
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        speedups = [
-            r.runs[mode].tokens_per_second / r.runs[base].tokens_per_second for r in results
-        ]
-        left.bar([x + i * width for x in range(len(results))], speedups, width, label=mode)
-    left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_xticks(
-        [x + width * (len(modes) - 1) / 2 for x in range(len(results))],
-        [r.prompt.id for r in results],
-        rotation=60,
-        ha="right",
-        fontsize=7,
-    )
-    left.set_ylabel(f"speedup over {base} (tokens/s)")
-    left.set_title(f"Speedup per prompt (baseline: {base})")
-    left.legend()
-    per_position = summary.get(SPECULATIVE, {}).get("acceptance_per_position") or []
-    points = [(i + 1, a) for i, a in enumerate(per_position) if a is not None]
-    if points:
-        right.plot([p for p, _ in points], [a for _, a in points], marker="o")
-    right.set_ylim(0, 1.05)
-    right.set_xlabel("draft position")
-    right.set_ylabel("acceptance rate")
-    right.set_title("Acceptance per draft position (speculative)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def machine(device: str = "cpu") -> str:
-    """One line naming this machine: the device (specdec.device.hardware.describe_device: CPU
-    model, ISA flags, torch kernel level, threads; or the GPU), cores, memory, torch, Python."""
-    import torch
-
-    from specdec.device.hardware import describe_device
-
-    try:
-        memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
-    except (ValueError, OSError, AttributeError):
-        memory = ""
-    return (
-        f"{describe_device(device)}; {os.cpu_count()} cores{memory}; torch {torch.__version__}; "
-        f"Python {platform.python_version()}"
-    )
-
-
-def write_json(
+def write_report(
     path: str,
     results: Sequence[PromptResult],
     summary: dict,
@@ -144,18 +82,9 @@ def write_json(
     """The run as JSON: the command, the machine, the config, one record per prompt (with each
     mode's speedups, exactness and bound) and the summary."""
     greedy = not config["temperature"]
-    Path(path).write_text(
-        json.dumps(
-            {
-                "command": " ".join(sys.argv),
-                "machine": config["machine"],
-                "config": config,
-                "prompts": [r.record(greedy, costs) for r in results],
-                "summary": summary,
-            },
-            indent=1,
-        )
-    )
+    prompts = [r.record(greedy, costs) for r in results]
+    body = run_record(" ".join(sys.argv), config["machine"], config, prompts=prompts)
+    write_json(path, {**body, "summary": summary})
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -173,7 +102,7 @@ def run_service(
     client: SpecdecClient, prompts: Sequence[BenchPrompt], args, plain=None
 ) -> list[PromptResult]:
     """Every prompt through the service at k = 0 and at --k, one request at a time, and
-    through ``plain`` (a bench_inprocess.PlainGenerate, warmed up) right after them when
+    through ``plain`` (a specdec.bench.inprocess.PlainGenerate, warmed up) right after them when
     given."""
     from tqdm.auto import tqdm
 
@@ -205,18 +134,18 @@ def run_in_process(mode: str, runner, results: Sequence[PromptResult], args) -> 
 
 
 def load_plain(info, prompts: Sequence[BenchPrompt], args, device: str):
-    """plain_generate's target (bench_inprocess.PlainGenerate), warmed up, loaded while the
+    """plain_generate's target (specdec.bench.inprocess.PlainGenerate), warmed up, loaded while the
     service runs so that its runs interleave with the service's; None when skipped
     (--no-plain, or not enough memory, said why)."""
-    from specdec.bench import inprocess as inproc
+    from specdec.bench import inprocess
 
     if args.no_plain:
         return None
-    candidates = inproc.candidate_dtypes(device, args.plain_gemms)
-    widest = max(candidates, key=inproc.dtype_bytes)
-    if not inproc.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
+    candidates = inprocess.candidate_dtypes(device, args.plain_gemms)
+    widest = max(candidates, key=inprocess.dtype_bytes)
+    if not inprocess.fits_in_memory(PLAIN, [(info.target_model, widest)], device):
         return None
-    plain = inproc.PlainGenerate(
+    plain = inprocess.PlainGenerate(
         info.target_model, device, prompts[0], args.max_new_tokens, args.plain_gemms
     )
     warm_up = {"max_new_tokens": WARM_UP_TOKENS, "temperature": args.temperature, "seed": args.seed}
@@ -230,7 +159,7 @@ def in_process_modes(
     """Runs hf_assisted (on ``plain``'s target when it ran) and engine (those not skipped) on
     the service's model files, freeing each mode's models, and ``plain``'s, before the next
     loads. Returns what each ran, in words, plain_generate's included."""
-    from specdec.bench import inprocess as inproc
+    from specdec.bench import inprocess
 
     described: dict[str, str] = {}
     if plain:
@@ -243,7 +172,7 @@ def in_process_modes(
         described.update(_hf_mode(info, results, args, device, plain))
     if plain:
         plain.close()
-    inproc.free_memory(device)
+    inprocess.free_memory(device)
     if not args.no_engine:
         described.update(_engine_mode(info, results, args, device))
     return described
@@ -252,7 +181,7 @@ def in_process_modes(
 def model_files_here(info) -> bool:
     """Whether the service's model files are on this machine too, for the in-process modes
     (said why not)."""
-    from specdec.bench import inprocess as inproc
+    from specdec.bench import inprocess
 
     missing = [
         p
@@ -260,37 +189,37 @@ def model_files_here(info) -> bool:
         if not (Path(p).exists() or p.startswith("bundled:"))
     ]
     if missing:
-        inproc.say(f"in-process modes skipped: the service's model files {missing} are not here")
+        inprocess.say(f"in-process modes skipped: the service's model files {missing} are not here")
     return not missing
 
 
 def _engine_mode(info, results: Sequence[PromptResult], args, device: str) -> dict[str, str]:
-    from specdec.bench import inprocess as inproc
+    from specdec.bench import inprocess
 
     models = [(info.draft_model, info.draft_dtype), (info.target_model, info.target_dtype)]
-    if not inproc.fits_in_memory(ENGINE, models, device):
+    if not inprocess.fits_in_memory(ENGINE, models, device):
         return {}
     what = f"SpeculativeEngine in process, target {info.target_dtype}, draft {info.draft_dtype}"
-    inproc.say(f"engine: {what}")
-    runner = inproc.EngineMode(info, device, args.k)
+    inprocess.say(f"engine: {what}")
+    runner = inprocess.EngineMode(info, device, args.k)
     run_in_process(ENGINE, runner, results, args)
     runner.close()
-    inproc.free_memory(device)
+    inprocess.free_memory(device)
     return {ENGINE: what}
 
 
 def _hf_mode(info, results: Sequence[PromptResult], args, device: str, plain) -> dict[str, str]:
     """HF assisted on plain_generate's target (its fastest dtype) when it ran, else on the
     service's target dtype."""
-    from specdec.bench import inprocess as inproc
+    from specdec.bench import inprocess
 
     target_dtype = plain.dtype if plain else info.target_dtype
     models = [(info.draft_model, info.draft_dtype)]
     if plain is None:
         models.append((info.target_model, target_dtype))
-    if not inproc.fits_in_memory(HF_ASSISTED, models, device):
+    if not inprocess.fits_in_memory(HF_ASSISTED, models, device):
         return {}
-    hf = inproc.HFAssisted(
+    hf = inprocess.HFAssisted(
         plain.target if plain else None,
         info.draft_model,
         info.draft_dtype,
@@ -302,7 +231,7 @@ def _hf_mode(info, results: Sequence[PromptResult], args, device: str, plain) ->
     if not args.no_hf_tune:
         hf.tune(results[0].prompt, args.max_new_tokens)
     what = f"target {target_dtype}, assistant {info.draft_dtype}, settings {hf.describe()}"
-    inproc.say(f"hf_assisted: {what}")
+    inprocess.say(f"hf_assisted: {what}")
     run_in_process(HF_ASSISTED, hf, results, args)
     hf.close()
     return {HF_ASSISTED: what}
@@ -353,7 +282,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--no-hf-tune",
         action="store_true",
         help="run HF assisted with transformers' default assistant settings instead of timing "
-        "each of bench_inprocess.HF_SETTINGS on the first prompt",
+        "each of specdec.bench.inprocess.HF_SETTINGS on the first prompt",
     )
     parser.add_argument(
         "--device",
@@ -442,9 +371,11 @@ def main(args: argparse.Namespace) -> int:
             "modes": described,
             "step_costs": dataclasses.asdict(costs) if costs else None,
         }
-        write_json(args.json, results, summary, config, costs)
+        write_report(args.json, results, summary, config, costs)
     if args.plot:
-        plot(results, summary, args.plot)
+        from specdec.bench.plots import plot_speedup
+
+        plot_speedup(results, summary, args.plot)
     inexact = greedy and summary[SPECULATIVE].get("exact_vs_k0", 1.0) < 1.0
     if inexact:
         print(

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import shlex
 import sys
 import threading
@@ -53,10 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.loadtest import percentiles
+from specdec.bench.report import machine, percentiles, run_record, write_json
+from specdec.bench.requests import RequestRecord, send
 from specdec.client import SpecdecClient, build_request
 from specdec.tools.args import (
     add_prompt_set_args,
@@ -64,7 +61,6 @@ from specdec.tools.args import (
     positive_int,
     run_standalone,
 )
-from specdec.v1 import specdec_pb2
 
 WARM_UP_TOKENS = 16  # new tokens of the one warm-up request per mode
 
@@ -138,11 +134,11 @@ def schedule(stream: int, concurrency: int, requests_per_stream: int, n_prompts:
 # --- one cell ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class RequestRecord:
-    """One streamed request of a cell. Times are seconds; ``start_s`` counts from the moment the
-    cell released its streams. ``ttft_s`` is None when no message carried a token; ``match`` is
-    None until checked (and stays None when there is no k=0 output to compare with)."""
+@dataclasses.dataclass(kw_only=True)
+class CellRequest(RequestRecord):
+    """One streamed request of a cell (specdec.bench.requests.RequestRecord; times in seconds
+    from the moment the cell released its streams, its figures to the microsecond). ``match``
+    is None until checked (and stays None when there is no k=0 output to compare with)."""
 
     concurrency: int
     mode: str
@@ -151,23 +147,11 @@ class RequestRecord:
     sequence: int  # this request's place in its stream, from 0
     prompt_index: int
     prompt_id: str
-    start_s: float
-    latency_s: float
-    ttft_s: float | None
-    tokens: int
-    token_ids: list[int]
-    code: str = "OK"  # gRPC status code name
-    details: str = ""
     match: bool | None = None
-    # From the final message's SpeculationStats (0 when the request failed): what the
-    # controller chose under this load, and what the draft side spent on it.
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_time_s: float = 0.0
 
     @property
-    def ok(self) -> bool:
-        return self.code == "OK"
+    def latency_s(self) -> float:
+        return round(self.end_s - self.start_s, 6)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -176,38 +160,27 @@ class RequestRecord:
 
     def record(self) -> dict[str, Any]:
         """JSON-ready fields, with tokens_per_s."""
-        out = dataclasses.asdict(self)
-        out["tokens_per_s"] = self.tokens_per_s
-        return out
-
-
-@dataclasses.dataclass
-class _Streamed:
-    """One request as the client saw it; times are perf_counter seconds."""
-
-    start: float
-    end: float = 0.0
-    ttft: float | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    code: str = "OK"
-    details: str = ""
-    stats: specdec_pb2.SpeculationStats | None = None
-
-
-def _stream_once(client: SpecdecClient, request) -> _Streamed:
-    """Streams ``request``; a gRPC error is recorded in the result, not raised."""
-    out = _Streamed(start=time.perf_counter())
-    try:
-        for message in client.generate_stream(request):
-            if message.token_ids and out.ttft is None:
-                out.ttft = time.perf_counter() - out.start
-            out.token_ids.extend(message.token_ids)
-            if message.HasField("stats"):
-                out.stats = message.stats
-    except grpc.RpcError as err:
-        out.code, out.details = err.code().name, err.details() or ""
-    out.end = time.perf_counter()
-    return out
+        return {
+            "concurrency": self.concurrency,
+            "mode": self.mode,
+            "k": self.k,
+            "stream": self.stream,
+            "sequence": self.sequence,
+            "prompt_index": self.prompt_index,
+            "prompt_id": self.prompt_id,
+            "start_s": round(self.start_s, 6),
+            "latency_s": self.latency_s,
+            "ttft_s": self.ttft_s,
+            "tokens": self.tokens,
+            "token_ids": self.token_ids,
+            "code": self.code,
+            "details": self.details,
+            "match": self.match,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_time_s": self.draft_time_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 def run_cell(
@@ -217,7 +190,7 @@ def run_cell(
     k: int | None,
     max_new_tokens: int,
     requests_per_stream: int = 1,
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[CellRequest], float]:
     """Runs one cell: ``concurrency`` threads, released together, each streaming its
     ``schedule`` of greedy requests one after the other. Returns the records (stream by stream)
     and the cell's wall time in seconds (release to the last response).
@@ -228,7 +201,10 @@ def run_cell(
     go = threading.Event()
     released = 0.0
 
-    def stream(s: int) -> list[RequestRecord]:
+    def clock() -> float:
+        return time.perf_counter() - released
+
+    def stream(s: int) -> list[CellRequest]:
         go.wait()
         records = []
         for j, index in enumerate(schedule(s, concurrency, requests_per_stream, len(prompts))):
@@ -239,29 +215,21 @@ def run_cell(
                 temperature=0.0,
                 num_speculative_tokens=k,
             )
-            got = _stream_once(client, request)
-            stats = got.stats or specdec_pb2.SpeculationStats()
-            records.append(
-                RequestRecord(
-                    concurrency=concurrency,
-                    mode=label,
-                    k=k,
-                    stream=s,
-                    sequence=j,
-                    prompt_index=index,
-                    prompt_id=prompt.id,
-                    start_s=round(got.start - released, 6),
-                    latency_s=round(got.end - got.start, 6),
-                    ttft_s=None if got.ttft is None else round(got.ttft, 6),
-                    tokens=len(got.token_ids),
-                    token_ids=got.token_ids,
-                    code=got.code,
-                    details=got.details,
-                    draft_tokens=stats.draft_tokens,
-                    accepted_tokens=stats.accepted_tokens,
-                    draft_time_s=round(stats.draft_time_s, 6),
-                )
+            record = CellRequest(
+                concurrency=concurrency,
+                mode=label,
+                k=k,
+                stream=s,
+                sequence=j,
+                prompt_index=index,
+                prompt_id=prompt.id,
+                start_s=clock(),
             )
+            send(client, request, record, stream=True, clock=clock)
+            record.ttft_s = None if record.ttft_s is None else round(record.ttft_s, 6)
+            record.draft_time_s = round(record.draft_time_s, 6)
+            record.details = record.details or ""
+            records.append(record)
         return records
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sweep") as pool:
@@ -270,14 +238,14 @@ def run_cell(
         go.set()
         per_stream = [f.result() for f in futures]
     records = [r for rs in per_stream for r in rs]
-    last_end = max((r.start_s + r.latency_s for r in records), default=0.0)
+    last_end = max((round(r.start_s, 6) + r.latency_s for r in records), default=0.0)
     return records, last_end
 
 
 # --- exactness and summaries ------------------------------------------------------------------
 
 
-def reference_outputs(records: Sequence[RequestRecord]) -> dict[int, list[int]]:
+def reference_outputs(records: Sequence[CellRequest]) -> dict[int, list[int]]:
     """{prompt index: token ids} of the k=0 requests that completed, each prompt's taken at the
     smallest concurrency that ran it (the first request there). Empty without k=0 records."""
     reference: dict[int, tuple[int, list[int]]] = {}
@@ -289,7 +257,7 @@ def reference_outputs(records: Sequence[RequestRecord]) -> dict[int, list[int]]:
     return {index: ids for index, (_, ids) in reference.items()}
 
 
-def check_outputs(records: Sequence[RequestRecord], reference: Mapping[int, list[int]]) -> None:
+def check_outputs(records: Sequence[CellRequest], reference: Mapping[int, list[int]]) -> None:
     """Sets ``match`` on every completed record whose prompt has a reference: True when its
     token ids equal the reference's. Others keep None (not checked)."""
     for r in records:
@@ -297,7 +265,7 @@ def check_outputs(records: Sequence[RequestRecord], reference: Mapping[int, list
             r.match = r.token_ids == reference[r.prompt_index]
 
 
-def summarize_cell(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
+def summarize_cell(records: Sequence[CellRequest], wall_s: float) -> dict[str, Any]:
     """One cell's figures (JSON-ready): requests, completed, errors {code: n}, tokens,
     wall_s, aggregate_tokens_per_s (tokens of completed requests / wall_s), per_request_tokens_per_s
     (mean of tokens / latency), ttft_s and latency_s {p50, p95} (seconds; None when no request
@@ -331,7 +299,7 @@ def summarize_cell(records: Sequence[RequestRecord], wall_s: float) -> dict[str,
         "wall_s": round(wall_s, 6),
         "aggregate_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
         "per_request_tokens_per_s": round(sum(rates) / len(rates), 3) if rates else None,
-        "ttft_s": percentiles([math.nan if r.ttft_s is None else r.ttft_s for r in ok], (50, 95)),
+        "ttft_s": percentiles([r.ttft_s for r in ok], (50, 95)),
         "latency_s": percentiles([r.latency_s for r in ok], (50, 95)),
         "checked": len(checked),
         "mismatches": sum(not r.match for r in checked),
@@ -391,7 +359,7 @@ def compare(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarize(
-    cell_runs: Sequence[tuple[Sequence[RequestRecord], float]],
+    cell_runs: Sequence[tuple[Sequence[CellRequest], float]],
 ) -> dict[str, Any]:
     """Checks every record against k=0 (sets ``match``) and returns the summary: cells (one
     summarize_cell per run, in run order), by_concurrency (compare) and notes (in words)."""
@@ -458,43 +426,6 @@ def format_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: Mapping[str, Any], path: str) -> None:
-    """Two panels as a PNG: aggregate tokens/s vs concurrency, and latency p95 (seconds) vs
-    concurrency, one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    cells = summary["cells"]
-    modes = list(dict.fromkeys(c["mode"] for c in cells))
-    concurrencies = sorted({c["concurrency"] for c in cells})
-    fig, (rate, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode in modes:
-        row = sorted((c for c in cells if c["mode"] == mode), key=lambda c: c["concurrency"])
-        for ax, value in (
-            (rate, lambda c: c["aggregate_tokens_per_s"]),
-            (latency, lambda c: c["latency_s"]["p95"]),
-        ):
-            points = [(c["concurrency"], value(c)) for c in row if value(c) is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=mode)
-    for ax in (rate, latency):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-        ax.set_xlabel("concurrent streams")
-        ax.legend()
-    rate.set_ylim(bottom=0)
-    rate.set_ylabel("aggregate tokens / s")
-    rate.set_title("Aggregate throughput per mode")
-    latency.set_ylim(bottom=0)
-    latency.set_ylabel("latency p95 (s)")
-    latency.set_title("Request latency p95 per mode")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -539,7 +470,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _header(args, info, n_prompts: int, machine: str, command: str) -> str:
+def _header(args, info, n_prompts: int, host: str, command: str) -> str:
     modes = ",".join(mode_label(k) for k in args.k)
     lines = [
         f"# sweep {args.dataset}{'/' + args.category if args.category else ''}: {n_prompts} "
@@ -548,7 +479,7 @@ def _header(args, info, n_prompts: int, machine: str, command: str) -> str:
         f"{args.requests_per_stream} requests per stream; target "
         f"{Path(info.target_model).name} ({info.target_dtype}), draft "
         f"{Path(info.draft_model).name} ({info.draft_dtype})",
-        f"# machine (sweep process): {machine}",
+        f"# machine (sweep process): {host}",
     ]
     for role in ("target", "draft"):
         calibration = getattr(info, f"{role}_calibration")
@@ -558,7 +489,7 @@ def _header(args, info, n_prompts: int, machine: str, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_json(args, command: str, host: str, info, prompts, cell_runs) -> None:
+def write_report(args, command: str, host: str, info, prompts, cell_runs) -> None:
     """Writes --json: the run's command, machine and settings, every request record and the
     summary of the cells run so far."""
     config = {
@@ -579,14 +510,8 @@ def write_json(args, command: str, host: str, info, prompts, cell_runs) -> None:
         "draft_dtype": info.draft_dtype,
     }
     summary = summarize(cell_runs)  # first: it sets each record's match against k=0
-    report = {
-        "command": command,
-        "machine": host,
-        "config": config,
-        "requests": [r.record() for rs, _ in cell_runs for r in rs],
-        "summary": summary,
-    }
-    Path(args.json).write_text(json.dumps(report, indent=1))
+    requests = [r.record() for rs, _ in cell_runs for r in rs]
+    write_json(args.json, run_record(command, host, config, requests=requests, summary=summary))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -599,7 +524,6 @@ def main(args: argparse.Namespace) -> int:
         service refused a warm-up request (e.g. a k above its k_max) or is not there.
     """
     from specdec.bench.datasets import load_prompts
-    from specdec.bench.speedup import machine
 
     prompts = load_prompts(
         args.dataset, category=args.category, limit=args.limit, data_file=args.data_file
@@ -632,7 +556,7 @@ def main(args: argparse.Namespace) -> int:
                 )
                 cell_runs.append((records, wall_s))
                 if args.json:  # after every cell: a run stopped early keeps what it measured
-                    write_json(args, command, host, info, prompts, cell_runs)
+                    write_report(args, command, host, info, prompts, cell_runs)
                 cell = summarize_cell(records, wall_s)
                 failed = cell["requests"] - cell["completed"]
                 print(
@@ -647,7 +571,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n{_header(args, info, len(prompts), host, command)}")
     print(format_table(summary), flush=True)
     if args.plot:
-        plot(summary, args.plot)
+        from specdec.bench.plots import plot_sweep
+
+        plot_sweep(summary, args.plot)
     mismatches = sum(c["mismatches"] for c in summary["cells"])
     failed = sum(sum(c["errors"].values()) for c in summary["cells"])
     if mismatches:

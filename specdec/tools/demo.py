@@ -165,11 +165,11 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
     the first args.limit HumanEval prompts, args.max_new_tokens new tokens, greedy, adaptive k,
     plain_generate, HF assisted (default settings) only with args.hf, no in-process engine,
     JSON and plot under args.out."""
-    from specdec.bench import speedup as bench
+    from specdec.bench import speedup
 
     out = Path(args.out)
     parser = argparse.ArgumentParser(prog="specdec bench")
-    bench.add_cli_args(parser)
+    speedup.add_cli_args(parser)
     return parser.parse_args(
         [
             f"--address={grpc_address}",
@@ -192,11 +192,11 @@ def bench_args(grpc_address: str, args: argparse.Namespace) -> argparse.Namespac
 
 def _bench(grpc_address: str, args: argparse.Namespace) -> int:
     """`specdec bench` with bench_args; returns its exit status."""
-    from specdec.bench import speedup as bench
+    from specdec.bench import speedup
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     parsed = bench_args(grpc_address, args)
-    status = bench.main(parsed)
+    status = speedup.main(parsed)
     print(f"\nper-prompt records: {parsed.json}; plot: {parsed.plot}")
     return status
 

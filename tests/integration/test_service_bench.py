@@ -13,7 +13,7 @@ import json
 import pytest
 from local_service import write_prompt_set
 
-from specdec.bench import speedup as bench
+from specdec.bench import speedup
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def _args(tmp_path, address, **overrides):
     prompts = write_prompt_set(tmp_path)
     parser = argparse.ArgumentParser()
-    bench.add_cli_args(parser)  # the flags as `specdec bench` parses them
+    speedup.add_cli_args(parser)  # the flags as `specdec bench` parses them
     args = parser.parse_args(
         [
             f"--address={address}",
@@ -40,7 +40,7 @@ def test_bench_reports_every_mode_against_both_baselines(served, tmp_path, capsy
     client, _ = served
     args = _args(tmp_path, client.address)
 
-    assert bench.main(args) == 0
+    assert speedup.main(args) == 0
 
     report = json.loads((tmp_path / "out.json").read_text())
     assert [p["id"] for p in report["prompts"]] == ["1", "2", "3"]
@@ -90,7 +90,7 @@ def test_bench_category_filter_and_sampling_without_hf_or_engine(served, tmp_pat
         plot=None,
     )
 
-    assert bench.main(args) == 0
+    assert speedup.main(args) == 0
 
     report = json.loads((tmp_path / "out.json").read_text())
     assert [p["id"] for p in report["prompts"]] == ["1", "3"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.bench import speedup as bench
+from specdec.bench import speedup
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.figures import PLAIN, SPECULATIVE, TARGET_ONLY, Run
 
@@ -27,14 +27,14 @@ def test_plain_generate_runs_right_after_the_service_modes_of_each_prompt(monkey
         order.append((prompt.id, mode, sampling["max_new_tokens"], sampling["seed"]))
         return Run(mode, [1], "x", 1.0, 0.1)
 
-    monkeypatch.setattr(bench, "service_run", service_run)
+    monkeypatch.setattr(speedup, "service_run", service_run)
     prompts = [BenchPrompt(id=f"p{i}", category="c", prompt=f"text {i}") for i in range(3)]
     args = argparse.Namespace(max_new_tokens=7, temperature=0.0, seed=10, k=None)
-    results = bench.run_service(None, prompts, args, _Plain(order))
+    results = speedup.run_service(None, prompts, args, _Plain(order))
     modes = (TARGET_ONLY, SPECULATIVE, PLAIN)
     assert order == [(f"p{i}", mode, 7, 10 + i) for i in range(3) for mode in modes]
     assert [sorted(r.runs) for r in results] == [sorted(modes)] * 3
-    assert bench.run_service(None, prompts[:1], args)[0].runs.keys() == {TARGET_ONLY, SPECULATIVE}
+    assert speedup.run_service(None, prompts[:1], args)[0].runs.keys() == {TARGET_ONLY, SPECULATIVE}
 
 
 def test_the_header_says_which_calibration_a_replica_reused():
@@ -51,7 +51,7 @@ def test_the_header_says_which_calibration_a_replica_reused():
     args = argparse.Namespace(
         dataset="humaneval", category=None, max_new_tokens=8, temperature=0.0, k=None
     )
-    lines = bench._header(args, info, 3, "cpu").splitlines()
+    lines = speedup._header(args, info, 3, "cpu").splitlines()
     assert "# target replica: cpu: X; float32+dnnl (chosen by measurement; reused a " \
         "calibration of 281 s)" in lines  # fmt: skip
     assert "# draft replica: cpu: X; int8 (chosen by measurement)" in lines

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench import inprocess as inproc
+from specdec.bench import inprocess
 from specdec.bench.datasets import BenchPrompt, load_prompts
 from specdec.bench.figures import (
     PromptResult,
@@ -112,13 +112,14 @@ def test_plain_generate_tries_the_services_gemms_only_when_asked():
 
     from specdec.device.gemm import onednn_available
 
-    assert inproc.candidate_dtypes("cpu") == ["float32", "bfloat16"]
-    with_gemms = inproc.candidate_dtypes("cpu", gemms=True)
+    assert inprocess.candidate_dtypes("cpu") == ["float32", "bfloat16"]
+    with_gemms = inprocess.candidate_dtypes("cpu", gemms=True)
     assert with_gemms[:2] == ["float32", "bfloat16"]
     assert ("float32+dnnl" in with_gemms) == onednn_available(torch.float32)
     assert ("bfloat16+dnnl" in with_gemms) == onednn_available(torch.bfloat16)
-    assert inproc.candidate_dtypes("cuda", gemms=True) == ["bfloat16", "float16"]
-    assert inproc.dtype_bytes("bfloat16+dnnl") == 2 and inproc.dtype_bytes("float32+dnnl") == 4
+    assert inprocess.candidate_dtypes("cuda", gemms=True) == ["bfloat16", "float16"]
+    assert inprocess.dtype_bytes("bfloat16+dnnl") == 2
+    assert inprocess.dtype_bytes("float32+dnnl") == 4
 
 
 def test_a_baseline_loaded_as_a_gemm_candidate_runs_that_gemm(tiny_pair):
@@ -128,14 +129,14 @@ def test_a_baseline_loaded_as_a_gemm_candidate_runs_that_gemm(tiny_pair):
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN linear")
-    loaded = inproc.load_as(str(tiny_pair[1]), "float32+dnnl", "cpu", rows_hint=5)
+    loaded = inprocess.load_as(str(tiny_pair[1]), "float32+dnnl", "cpu", rows_hint=5)
     linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is SwitchableLinear and m.gemm == ONEDNN for m in linears)
-    plain = inproc.load_as(str(tiny_pair[1]), "float32", "cpu")
+    plain = inprocess.load_as(str(tiny_pair[1]), "float32", "cpu")
     plain_linears = [m for m in plain.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(type(m) is torch.nn.Linear for m in plain_linears)  # F.linear: untouched
     ids = [1, 2, 3, 4]
-    run = inproc.generate(loaded, ids, 6, {"temperature": 0.0}, "plain", min_new_tokens=6)
+    run = inprocess.generate(loaded, ids, 6, {"temperature": 0.0}, "plain", min_new_tokens=6)
     assert len(run.token_ids) == 6
 
 

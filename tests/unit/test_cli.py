@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specdec import cli
-from specdec.bench import speedup as bench
+from specdec.bench import speedup
 from specdec.tools import demo
 from specdec.tools.args import config_path, grpc_port, k_value, positive_int
 
@@ -97,7 +97,7 @@ def test_demo_bench_arguments_parse_with_bench_parser():
         plot=str(Path("out") / "make-run.png"),
     )
     bench_parser = argparse.ArgumentParser()
-    bench.add_cli_args(bench_parser)
+    speedup.add_cli_args(bench_parser)
     assert set(vars(args)) == set(vars(bench_parser.parse_args([])))
     with_hf = demo.bench_args("127.0.0.1:9000", parser.parse_args(["--hf"]))
     assert not with_hf.no_hf and with_hf.no_hf_tune

@@ -8,7 +8,8 @@ import json
 import grpc
 import pytest
 
-from specdec.bench.loadtest import LoadTest, Stage, format_summary, parse_stages, percentiles
+from specdec.bench.loadtest import LoadTest, Stage, format_summary, parse_stages
+from specdec.bench.report import percentiles
 from specdec.client import build_request
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -90,10 +91,10 @@ def test_bounded_by_max_requests_and_the_drain_cuts_what_is_left():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from specdec.bench.plots import plot
+    from specdec.bench.plots import plot_loadtest
 
     _, report = asyncio.run(_run(["a"], parse_stages("1x1s,2x1s")))
     for row in report["per_second"]:
         row["replicas"] = {"DraftModel": 1, "TargetModel": 1 + row["stage"]}
-    plot(report, tmp_path / "load.png")
+    plot_loadtest(report, tmp_path / "load.png")
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"

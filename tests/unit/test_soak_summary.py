@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.bench import soak
-from specdec.bench.soak import DRAFT, MB, ROUTER, TARGET, Outcome, RequestSpec
+from specdec.bench import soak_load, soak_schedule, soak_verdict
+from specdec.bench.replicas import DEPLOYMENTS, DRAFT, ROUTER, TARGET
+from specdec.bench.soak_load import Outcome, RequestSpec
+from specdec.bench.soak_memory import MB
 
 DURATION = 100.0  # faults at 30, 50, 60 s; default schedule: 6 clients from 15 s, 1 from 70 s
 
 
 def test_default_schedule_rises_before_the_faults_and_falls_after():
-    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
+    schedule = soak_schedule.parse_schedule(soak_schedule.DEFAULT_SCHEDULE, DURATION)
     times = (0, 14.9, 15, 69.9, 70, 99.9, 100)
     assert [schedule.concurrency(t) for t in times] == [1, 1, 6, 6, 1, 1, 1]
     assert (schedule.peak, schedule.rise_s, schedule.fall_s) == (6, 15.0, 70.0)
-    assert schedule.describe() == soak.DEFAULT_SCHEDULE
+    assert schedule.describe() == soak_schedule.DEFAULT_SCHEDULE
 
 
 @pytest.mark.parametrize(
@@ -35,26 +37,26 @@ def test_default_schedule_rises_before_the_faults_and_falls_after():
 )
 def test_bad_schedule_is_refused_saying_why(text, message):
     with pytest.raises(ValueError, match=message):
-        soak.parse_schedule(text, DURATION)
+        soak_schedule.parse_schedule(text, DURATION)
 
 
 def test_zero_duration_is_refused():
     with pytest.raises(ValueError, match="duration"):
-        soak.parse_schedule(soak.DEFAULT_SCHEDULE, 0)
+        soak_schedule.parse_schedule(soak_schedule.DEFAULT_SCHEDULE, 0)
 
 
 def test_request_plan_covers_every_kind_once_in_a_fixed_order():
-    plan = soak.request_plan(8)
-    assert len(plan) == len(set(plan)) == 8 * len(soak.NEW_TOKENS) * len(soak.KS) * 2
-    assert plan == soak.request_plan(8) != soak.request_plan(8, seed=1)
+    plan = soak_load.request_plan(8)
+    assert len(plan) == len(set(plan)) == 8 * len(soak_load.NEW_TOKENS) * len(soak_load.KS) * 2
+    assert plan == soak_load.request_plan(8) != soak_load.request_plan(8, seed=1)
     first = plan[:32]  # the first minutes already mix every k and both modes
-    assert {s.k for s in first} == set(soak.KS) and {s.stream for s in first} == {False, True}
+    assert {s.k for s in first} == set(soak_load.KS) and {s.stream for s in first} == {False, True}
 
 
 def test_first_difference():
-    assert soak.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert soak.first_difference([1, 9, 3], [1, 2, 3]) == 1
-    assert soak.first_difference([1, 2], [1, 2, 3]) == 2
+    assert soak_load.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert soak_load.first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert soak_load.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def _tick_through(timeline, ready, start, until, step=0.5):
@@ -64,7 +66,7 @@ def _tick_through(timeline, ready, start, until, step=0.5):
 
 
 def test_timeline_follows_the_clock_and_holds_at_a_gate_until_ready():
-    timeline = soak.Timeline([(10.0, "a"), (20.0, "b")], max_hold_s=100)
+    timeline = soak_schedule.Timeline([(10.0, "a"), (20.0, "b")], max_hold_s=100)
     readiness = {"a": False, "b": True}
     asked = []
 
@@ -86,13 +88,15 @@ def test_timeline_follows_the_clock_and_holds_at_a_gate_until_ready():
 
 
 def test_the_load_does_not_fall_while_the_clock_holds_at_the_fall():
-    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
-    timeline = soak.Timeline(soak.gates(schedule), max_hold_s=100)
-    ready = {name: True for _, name in soak.gates(schedule)} | {soak.DRAFT_BACK: False}
+    schedule = soak_schedule.parse_schedule(soak_schedule.DEFAULT_SCHEDULE, DURATION)
+    timeline = soak_schedule.Timeline(soak_schedule.gates(schedule), max_hold_s=100)
+    ready = {name: True for _, name in soak_schedule.gates(schedule)} | {
+        soak_schedule.DRAFT_BACK: False
+    }
     _tick_through(timeline, ready.get, 0, 80)
     assert timeline.holding and timeline.now == schedule.fall_s == 70
     assert schedule.concurrency(timeline.load_time) == 6  # still the peak
-    ready[soak.DRAFT_BACK] = True
+    ready[soak_schedule.DRAFT_BACK] = True
     timeline.tick(80.5, ready.get)
     assert not timeline.holding and schedule.concurrency(timeline.load_time) == 1
     _tick_through(timeline, ready.get, 81, 200)
@@ -100,7 +104,7 @@ def test_the_load_does_not_fall_while_the_clock_holds_at_the_fall():
 
 
 def test_timeline_gives_up_after_max_hold():
-    timeline = soak.Timeline([(5.0, "never")], max_hold_s=3)
+    timeline = soak_schedule.Timeline([(5.0, "never")], max_hold_s=3)
     trace = _tick_through(timeline, lambda name: False, 0, 12)
     gate = timeline.gates[0]
     assert (gate.timed_out, gate.passed_s, gate.held_s) == (True, 8.0, 3.0)
@@ -108,13 +112,13 @@ def test_timeline_gives_up_after_max_hold():
 
 
 def test_gates_come_in_the_faults_order():
-    schedule = soak.parse_schedule(soak.DEFAULT_SCHEDULE, DURATION)
-    assert soak.gates(schedule) == [
-        (30.0, soak.TARGET_HAS_TWO),
-        (50.0, soak.TARGET_KILLED),
-        (60.0, soak.DRAFT_KILLED),
-        (70.0, soak.DRAFT_BACK),
-        (100.0, soak.SCALED_DOWN),
+    schedule = soak_schedule.parse_schedule(soak_schedule.DEFAULT_SCHEDULE, DURATION)
+    assert soak_schedule.gates(schedule) == [
+        (30.0, soak_schedule.TARGET_HAS_TWO),
+        (50.0, soak_schedule.TARGET_KILLED),
+        (60.0, soak_schedule.DRAFT_KILLED),
+        (70.0, soak_schedule.DRAFT_BACK),
+        (100.0, soak_schedule.SCALED_DOWN),
     ]
 
 
@@ -152,7 +156,7 @@ def _samples(target_growth=0):
             replicas.append(_replica(DRAFT, "d1", None, state="PENDING_ALLOCATION"))
         else:
             replicas.append(_replica(DRAFT, "d2", 300 * MB, born=62.0))
-        running = dict.fromkeys(soak.DEPLOYMENTS, 0)
+        running = dict.fromkeys(DEPLOYMENTS, 0)
         for r in replicas:
             running[r["deployment"]] += r["state"] == "RUNNING"
         out.append({"t": t, "running": running, "replicas": replicas})
@@ -169,7 +173,14 @@ EVENTS = [
 
 def _outcomes(**changes):
     base = [
-        Outcome(i, RequestSpec(i % 8, 16, k, i % 2 == 1), i, i + 0.5, "OK", tokens=16)
+        Outcome(
+            index=i,
+            spec=RequestSpec(i % 8, 16, k, i % 2 == 1),
+            start_s=i,
+            end_s=i + 0.5,
+            code="OK",
+            tokens=16,
+        )
         for i, k in enumerate([0, 1, 3, None] * 25)
     ]
     base[52].rounds_without_draft = 4  # ran during the draft's absence
@@ -191,7 +202,7 @@ def _caches(**left):
 
 
 def _analyse(outcomes=None, samples=None, events=EVENTS, caches=None):
-    return soak.analyse(
+    return soak_verdict.analyse(
         _outcomes() if outcomes is None else outcomes,
         _samples() if samples is None else samples,
         events,
@@ -224,7 +235,7 @@ def test_a_clean_run_passes_every_check():
     assert memory["t2"]["baseline"] is None and not memory["t2"]["judged"]
     assert memory["d2"]["baseline"][0] == 82.0 and memory["d2"]["judged"]
     assert all(r["ok"] for r in report["memory"])
-    summary = soak.format_summary({**report, "config": _config()})
+    summary = soak_verdict.format_summary({**report, "config": _config()})
     assert "verdict: PASS" in summary and "FAIL" not in summary
     assert "100 sent, 100 OK, 0 failed" in summary
 
@@ -245,7 +256,7 @@ def test_a_failed_request_and_a_changed_output_fail_the_run():
     assert [p["index"] for p in report["problems"]] == [3, 4]
     hung = _analyse(_outcomes(**{"9": dict(code="IN_FLIGHT")}))  # never answered
     assert _failed(hung) == {"no failed requests"} and hung["requests"]["failed"] == 1
-    assert "verdict: FAIL" in soak.format_summary({**report, "config": _config()})
+    assert "verdict: FAIL" in soak_verdict.format_summary({**report, "config": _config()})
 
 
 def test_memory_growth_past_the_limit_fails_and_before_the_warmup_does_not_count():
@@ -270,10 +281,13 @@ def test_no_scale_down_after_the_load_fell_fails():
 
 def test_a_load_that_never_fell_cannot_show_a_scale_down():
     report = _analyse()
-    never = soak.scale_events(_samples(), rise_s=15.0, fall_s=None)
+    never = soak_verdict.scale_events(_samples(), rise_s=15.0, fall_s=None)
     assert never[TARGET]["scaled_down_at"] is None
     assert never[TARGET]["scaled_up_at"] == report["scaling"][TARGET]["scaled_up_at"] == 20.0
-    assert soak.scale_events(_samples(), rise_s=None, fall_s=None)[TARGET]["scaled_up_at"] is None
+    assert (
+        soak_verdict.scale_events(_samples(), rise_s=None, fall_s=None)[TARGET]["scaled_up_at"]
+        is None
+    )
 
 
 def test_faults_that_did_not_happen_fail_their_checks():
@@ -305,9 +319,9 @@ def test_sessions_left_beyond_what_replica_changes_strand_are_a_leak():
     # Target changes at 20, 30, 32, 72 s and draft changes at 50, 64 s, each seen between two
     # samples 2 s apart and widened by 2 s: 7 one-per-second requests in flight around each.
     samples, outcomes = _samples(), _outcomes()
-    assert soak.strandable_sessions(samples, outcomes, TARGET, slack_s=2.0) == 4 * 7
-    assert soak.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == 2 * 7
-    assert soak.strandable_sessions(samples, outcomes, ROUTER, slack_s=2.0) == 0
+    assert soak_verdict.strandable_sessions(samples, outcomes, TARGET, slack_s=2.0) == 4 * 7
+    assert soak_verdict.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == 2 * 7
+    assert soak_verdict.strandable_sessions(samples, outcomes, ROUTER, slack_s=2.0) == 0
     report = _analyse(caches=_caches(t3=20, d2=14))  # orphans of rerouted sessions: allowed
     assert _failed(report) == set()
     assert report["strandable_sessions"] == {DRAFT: 14, TARGET: 28}
@@ -320,8 +334,11 @@ def test_sessions_left_beyond_what_replica_changes_strand_are_a_leak():
 
 def test_a_request_still_in_flight_counts_as_strandable():
     outcomes = _outcomes(**{"40": dict(end_s=float("nan"))})  # started at 40 s, never ended
-    samples, before = _samples(), soak.strandable_sessions(_samples(), _outcomes(), DRAFT, 2.0)
-    assert soak.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == before + 2
+    samples, before = (
+        _samples(),
+        soak_verdict.strandable_sessions(_samples(), _outcomes(), DRAFT, 2.0),
+    )
+    assert soak_verdict.strandable_sessions(samples, outcomes, DRAFT, slack_s=2.0) == before + 2
 
 
 def test_nothing_degraded_means_the_draft_kill_was_not_felt():

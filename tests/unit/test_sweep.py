@@ -15,7 +15,8 @@ import pytest
 from specdec import cli
 from specdec.bench import sweep
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.sweep import RequestRecord
+from specdec.bench.plots import plot_sweep
+from specdec.bench.sweep import CellRequest
 from specdec.client import SpecdecClient
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -73,7 +74,7 @@ def test_schedule_gives_concurrent_streams_different_prompts():
 
 
 def _record(c, k, prompt, ids, latency=1.0, ttft=0.1, code="OK", stream=0):
-    return RequestRecord(
+    return CellRequest(
         concurrency=c,
         mode=sweep.mode_label(k),
         k=k,
@@ -82,7 +83,7 @@ def _record(c, k, prompt, ids, latency=1.0, ttft=0.1, code="OK", stream=0):
         prompt_index=prompt,
         prompt_id=str(prompt),
         start_s=0.0,
-        latency_s=latency,
+        end_s=latency,
         ttft_s=ttft,
         tokens=len(ids),
         token_ids=list(ids),
@@ -241,7 +242,7 @@ def test_plot_writes_a_png(tmp_path):
         ([_record(c, k, 0, [1] * 8, latency=0.1 * c)], 0.1 * c) for c in (1, 2, 4) for k in (0, 2)
     ]
     path = tmp_path / "sweep.png"
-    sweep.plot(sweep.summarize(runs), str(path))
+    plot_sweep(sweep.summarize(runs), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
