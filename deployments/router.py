@@ -40,7 +40,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from specdec.config import ServiceConfig, SpecdecConfig
-from specdec.decoding.controller import CostModel
+from specdec.decoding.costs import CostModel
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import (

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from specdec.config import SpecdecConfig, SpeculationConfig
-from specdec.decoding.controller import CostModel
+from specdec.decoding.costs import CostModel
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
 from specdec.decoding.round_loop import Completion, RoundLoop

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.decoding.controller import CostPrior
+from specdec.decoding.costs import CostPrior
 from specdec.device.calibration import ExactWidths
 
 
