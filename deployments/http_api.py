@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec import openai_api
 from specdec.decoding.round_loop import RoundLoop
+from specdec.deployments.failures import grpc_status
 from specdec.errors import InvalidRequestError
 from specdec.openai_api import OpenAIError, OpenAIRequest, Responder
 
@@ -57,9 +58,6 @@ def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIErro
         if parsed is None:
             return OpenAIError.bad(err.field, err.message)
         return parsed.invalid(err)
-    # Imported here: router.py imports this module to mount HTTP_APP on itself.
-    from specdec.deployments.router import grpc_status
-
     code, message = grpc_status(err)
     status = {"UNAVAILABLE": 503, "RESOURCE_EXHAUSTED": 429}.get(code.name, 500)
     return OpenAIError(status, message, None, code.name.lower())
