@@ -27,7 +27,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from specdec.config import ServiceConfig, SpecdecConfig
-from specdec.decoding.costs import CostModel
+from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import (
@@ -47,7 +47,6 @@ from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import RouterMetrics
-from specdec.device.cost_prior import cost_prior
 from specdec.errors import InvalidRequestError, MalformedRequest
 from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
@@ -250,22 +249,21 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             return specdec_pb2.ModelInfo()
         service = self.config.service
         info = specdec_pb2.ModelInfo(
-            target_model=target["name"],
-            vocab_size=target["vocab_size"],
-            target_context_limit=target["context_limit"],
-            context_limit=target["context_limit"],
+            target_model=target.name,
+            vocab_size=target.vocab_size,
+            target_context_limit=target.context_limit,
+            context_limit=ModelLimits.of(target, draft, self.config.speculation).context_limit,
             draft_pool=service.draft_pool,
             target_pool=service.target_pool,
-            target_dtype=target["dtype"],
+            target_dtype=target.dtype,
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            target_calibration=_calibration(target),
+            target_calibration=target.calibration,
         )
         if draft is not None:  # else: no draft replica has answered yet (draft fields unset)
-            info.draft_model = draft["name"]
-            info.draft_context_limit = draft["context_limit"]
-            info.context_limit = min(draft["context_limit"], target["context_limit"])
-            info.draft_dtype = draft["dtype"]
-            info.draft_calibration.CopyFrom(_calibration(draft))
+            info.draft_model = draft.name
+            info.draft_context_limit = draft.context_limit
+            info.draft_dtype = draft.dtype
+            info.draft_calibration.CopyFrom(draft.calibration)
         return info
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
@@ -340,7 +338,9 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     def _draft_changed(self, available: bool) -> None:
         self.metrics.draft_available.set(int(available))
 
-    async def _model_info(self, draft_wait_s: float = 0.0) -> tuple[dict | None, dict]:
+    async def _model_info(
+        self, draft_wait_s: float = 0.0
+    ) -> tuple[worker_pb2.ReplicaInfo | None, worker_pb2.ReplicaInfo]:
         """(draft, target) model_info. A request needs only the target's: the draft's is None
         when no draft replica has answered within draft_wait_s seconds (its fetch goes on in
         the background; requests run without the draft meanwhile).
@@ -360,9 +360,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             draft = None
         if not self._prior_set and draft is not None:
             # The replicas' start-up measurements price the first rounds of the first requests.
-            k_max = self.config.speculation.max_speculative_tokens
-            batch = self.config.models.max_batch_size
-            prior = cost_prior(_calibration(target), _calibration(draft), k_max, batch)
+            prior = CostPrior.of(target.costs, draft.costs, self.config)
             if prior is not None:
                 self.costs.set_prior(prior)
             self._prior_set = True
@@ -370,13 +368,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
 
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
-        contexts = [target["context_limit"]] + ([draft["context_limit"]] if draft else [])
-        return ModelLimits(
-            vocab_size=target["vocab_size"],
-            context_limit=min(contexts),
-            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            eos_token_ids=frozenset(target["eos_token_ids"]),
-        )
+        return ModelLimits.of(target, draft, self.config.speculation)
 
     def _fail(self, method: str, err: Exception, grpc_context: RayServegRPCContext):
         code, details = grpc_status(err)
@@ -416,8 +408,3 @@ def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateRes
     )
     _add_summary(message, completion)
     return message
-
-
-def _calibration(info: dict) -> specdec_pb2.DeviceCalibration:
-    """A replica's model_info calibration (serialized bytes; absent from an older replica)."""
-    return specdec_pb2.DeviceCalibration.FromString(info.get("calibration", b""))

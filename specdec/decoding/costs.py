@@ -19,7 +19,7 @@ per token; a verify or an orchestration time of a round in which a side rebuilt 
 orchestration of a round while other requests are in flight, mostly its wait in the batch
 queues).
 Before a cost is measured, and once its samples have aged out, an optional CostPrior (the
-replicas' start-up calibration) stands in for it. The draft's costs are kept by load
+replicas' start-up calibration, CostPrior.of) stands in for it. The draft's costs are kept by load
 (requests in flight, RequestTraffic.draft_load); a load not yet measured costs at least what
 lighter ones measured, and only one request at a time drafts there until a round has measured it
 (CostModel.may_draft).
@@ -39,9 +39,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from specdec.config import SpeculationConfig
+from specdec.config import SpecdecConfig, SpeculationConfig
 from specdec.decoding.traffic import RequestTraffic
 from specdec.decoding.windows import ByLoad, WindowMedian, load_bucket
+from specdec.v1 import worker_pb2
 
 # A steady speculative round's draft catch-up feeds 1 token (after a rejection) or 2 (the last
 # draft token and the bonus token, after a full acceptance); more is a prefill or a rebuild.
@@ -83,6 +84,32 @@ class CostPrior:
         values += [v for v in (self.catchup_s, self.catchup_token_s) if v is not None]
         if not self.verify_s or not all(math.isfinite(v) and v > 0 for v in values):
             raise ValueError(f"CostPrior needs finite seconds > 0 and a verify_s, got {self}")
+
+    @classmethod
+    def of(
+        cls, target: worker_pb2.CostTable, draft: worker_pb2.CostTable, config: SpecdecConfig
+    ) -> CostPrior | None:
+        """The prior from the cost tables the target and the draft replicas computed from their
+        calibrations (specdec.device.cost_prior.cost_table, with the same ``config``): verify
+        of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
+        included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward,
+        a longer catch-up = the draft's prefill seconds per token, and a batched verify of r
+        rows, r up to models.max_batch_size x (k_max + 1), = the target's r rows. None when
+        either side reported no costs. The router and the in-process engine both build their
+        prior here."""
+        if not target.rows_s or not draft.forward_s:
+            return None
+        k_max = config.speculation.max_speculative_tokens
+        max_batch_size = config.models.max_batch_size
+        rows_s = tuple(target.rows_s)
+        prefill = draft.prefill_s_per_token
+        return cls(
+            verify_s=rows_s[: k_max + 1],
+            draft_step_s=draft.forward_s[0],
+            catchup_s=draft.forward_s[1] if len(draft.forward_s) > 1 else None,
+            batch_verify_s=rows_s[: max_batch_size * (k_max + 1)] if max_batch_size > 1 else (),
+            catchup_token_s=prefill if prefill > 0 else None,  # 0: not reported
+        )
 
     def verify_table(self, k_max: int) -> list[float]:
         """verify_s as k_max + 1 values (extended with its last value, or cut)."""
@@ -165,6 +192,11 @@ class CostModel:
         self._batch_level = WindowMedian(clock)  # measured / prior seconds of batched verifies
         # Not a cost, but what the costs are priced at: the requests on this engine or router.
         self.traffic = RequestTraffic(clock)
+
+    @property
+    def prior(self) -> CostPrior | None:
+        """The start-up calibration's costs in use (None: none yet)."""
+        return self._prior
 
     def set_prior(self, prior: CostPrior) -> None:
         """Installs a prior after construction (a router learns the replicas' calibration only
