@@ -69,7 +69,7 @@ def test_deploy_sets_the_proxy_message_bound_from_the_app():
     pytest.importorskip("ray")
     from specdec.deployments import deploy
 
-    config = deploy.load_config(SHIPPED[0], {"max_request_bytes": 3 * 1024**2})
+    config = deploy.ServeConfig.load(SHIPPED[0], {"max_request_bytes": 3 * 1024**2})
     env = deploy.controller_options(config)["runtime_env"]["env_vars"]
     assert env[deploy.GRPC_MAX_MESSAGE_ENV] == str(3 * 1024**2)
 
