@@ -6,6 +6,7 @@ This is what ``serve run CONFIG`` does, without blocking and without the dashboa
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from pathlib import Path
@@ -60,47 +61,114 @@ def app_config(config: ServeDeploySchema) -> SpecdecConfig | None:
     return None
 
 
-def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``overrides`` plus the converted directories of any ``bundled:`` model in the config,
-    converted in the dtype that side's replicas load (specdec.config.ModelConfig.for_side).
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """A Serve config file, parsed and validated once (ServeConfig.load), then passed whole.
+
+    Attributes:
+        path: the YAML file it was read from.
+        schema: Serve's validated config, the specdec application's args overridden.
+        app: the specdec application's settings, parsed from those args as build_app parses
+            them (app_config); None without an application named "specdec".
+    """
+
+    path: Path
+    schema: ServeDeploySchema
+    app: SpecdecConfig | None
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+        """Reads, validates and parses ``path`` (load_config, then app_config).
+
+        Raises:
+            FileNotFoundError, pydantic.ValidationError, specdec.errors.ConfigError (the
+            application's args, named first).
+        """
+        schema = load_config(path, overrides)
+        return cls(Path(path), schema, app_config(schema))
+
+    @property
+    def grpc_port(self) -> int:
+        """The port Serve's gRPC proxy listens on (grpc_options.port)."""
+        return self.schema.grpc_options.port
+
+    def with_settings(self, **settings: Any) -> ServeConfig:
+        """A copy with the specdec application's named settings replaced, in its args and in
+        ``app`` alike (no application: unchanged).
+
+        Raises:
+            specdec.errors.ConfigError naming an unknown or invalid setting.
+        """
+        if self.app is None or not settings:
+            return self
+        app = self.app.with_settings(**settings)
+        applications = [
+            a.model_copy(update={"args": {**a.args, **settings}}) if a.name == APPLICATION else a
+            for a in self.schema.applications
+        ]
+        schema = self.schema.model_copy(update={"applications": applications})
+        return dataclasses.replace(self, schema=schema, app=app)
+
+
+def bundled_models(config: ServeConfig) -> dict[str, str]:
+    """The converted directories of the config's ``bundled:`` models, as settings
+    ({"draft_model": dir, ...}), converted in the dtype that side's replicas load
+    (specdec.config.ModelConfig.for_side).
 
     Converting the bundled pair takes minutes the first time; doing it here, in the process
     that deploys (with progress bars), keeps replicas from converting concurrently in their
     constructors. Only for clusters on this machine: the directories are local paths.
 
     Raises:
-        specdec.errors.ConfigError: the application's args are invalid (see app_config);
         specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
     """
     from specdec.models import bundled
 
-    overrides = dict(overrides or {})
-    config = app_config(load_config(path, overrides))
-    if config is None:
-        return overrides
+    if config.app is None:
+        return {}
+    converted = {}
     for side in SIDES:
-        spec, dtype = config.models.for_side(side)
+        spec, dtype = config.app.models.for_side(side)
         if spec.startswith(bundled.SPEC_PREFIX):
-            overrides[f"{side}_model"] = bundled.resolve(spec, dtype)
-    return overrides
+            converted[f"{side}_model"] = bundled.resolve(spec, dtype)
+    return converted
+
+
+def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` plus the converted directories of any ``bundled:`` model in the config
+    (bundled_models), for callers that deploy by path.
+
+    Raises:
+        specdec.errors.ConfigError: the application's args are invalid (see app_config);
+        specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
+    """
+    overrides = dict(overrides or {})
+    return {**overrides, **bundled_models(ServeConfig.load(path, overrides))}
 
 
 def deploy(
-    path: str | Path,
+    config: ServeConfig | str | Path,
     address: str | None = None,
     overrides: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
 ) -> None:
     """Deploys the config to the cluster at ``address`` and waits until it is RUNNING.
 
+    ``config``: a ServeConfig, parsed once by the caller, or the path of one, loaded here with
+    ``overrides`` (which a ServeConfig must already hold).
+
     Raises:
+        ValueError: ``overrides`` given with a ServeConfig.
         specdec.errors.ConfigError: the specdec application's args are invalid, refused here
             before anything is deployed (see app_config).
         RuntimeError: an application failed to deploy (with Serve's message) or was not RUNNING
             within timeout_s seconds; or this process is already connected to another cluster.
     """
-    config = load_config(path, overrides)
-    app_config(config)
+    if isinstance(config, ServeConfig):
+        if overrides:
+            raise ValueError("pass the overrides to ServeConfig.load, not with a ServeConfig")
+    else:
+        config = ServeConfig.load(config, overrides)
     if not ray.is_initialized():
         prepare_driver()  # a local cluster's auth mode and loopback address
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -111,27 +179,24 @@ def deploy(
             f"this process is connected to the Ray cluster at {connected}, "
             f"not {address}: call ray.shutdown() first"
         )
+    schema = config.schema
     client = serve_api.serve_start(
-        http_options=config.http_options.model_dump(),
-        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
-        proxy_location=config.proxy_location,
+        http_options=schema.http_options.model_dump(),
+        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+        proxy_location=schema.proxy_location,
         controller_options=controller_options(config),
     )
-    client.deploy_apps(config, _blocking=False)
-    wait_running([app.name for app in config.applications], timeout_s)
+    client.deploy_apps(schema, _blocking=False)
+    wait_running([app.name for app in schema.applications], timeout_s)
 
 
-def controller_options(config: ServeDeploySchema) -> dict[str, Any]:
+def controller_options(config: ServeConfig) -> dict[str, Any]:
     """The config's ``controller_options`` with the gRPC proxy's message size bound set to the
     specdec application's max_request_bytes (specdec.config.ServiceConfig), so that the gRPC
     proxy refuses a larger request (RESOURCE_EXHAUSTED) before it reaches a router. Serve
-    applies it only when it starts its controller (a running Serve keeps its proxies).
-
-    Raises:
-        specdec.errors.ConfigError: the specdec application's args are invalid.
-    """
-    options = config.controller_options.model_dump() if config.controller_options else {}
-    app = app_config(config)
+    applies it only when it starts its controller (a running Serve keeps its proxies)."""
+    schema, app = config.schema, config.app
+    options = schema.controller_options.model_dump() if schema.controller_options else {}
     if app is not None:
         runtime_env = options.get("runtime_env") or {}
         env_vars = dict(runtime_env.get("env_vars") or {})

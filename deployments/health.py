@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
+from specdec.v1 import worker_pb2
+
 T = TypeVar("T")
 
 # A readiness probe waits this long for the target's first answer: long enough for a running
@@ -36,19 +38,21 @@ class ModelInfoCache:
 
     Args:
         fetchers: {side ("draft" / "target"): async callable returning that deployment's
-            model_info dict (name, dtype, vocab_size, context_limit in tokens, eos_token_ids)}.
+            model_info, a specdec.v1.ReplicaInfo (specdec.worker.info)}.
         timeout_s: seconds one fetch may run before it is given up.
     """
 
     def __init__(
-        self, fetchers: Mapping[str, Callable[[], Awaitable[dict]]], timeout_s: float
+        self,
+        fetchers: Mapping[str, Callable[[], Awaitable[worker_pb2.ReplicaInfo]]],
+        timeout_s: float,
     ) -> None:
         self._fetchers = dict(fetchers)
         self._timeout_s = timeout_s
-        self._known: dict[str, dict] = {}
+        self._known: dict[str, worker_pb2.ReplicaInfo] = {}
         self._pending: dict[str, asyncio.Future] = {}
 
-    def known(self, side: str) -> dict | None:
+    def known(self, side: str) -> worker_pb2.ReplicaInfo | None:
         """The side's info if a replica has answered already, else None; never waits."""
         return self._known.get(side)
 
@@ -56,7 +60,7 @@ class ModelInfoCache:
         """Starts fetching the side's info in the background unless it is known or on its way."""
         self._fetch(side)
 
-    async def get(self, side: str, wait_s: float | None = None) -> dict:
+    async def get(self, side: str, wait_s: float | None = None) -> worker_pb2.ReplicaInfo:
         """The side's info, fetched if not known yet.
 
         Args:
@@ -82,7 +86,7 @@ class ModelInfoCache:
             self._pending[side] = pending
         return pending
 
-    async def _fetch_once(self, side: str) -> dict:
+    async def _fetch_once(self, side: str) -> worker_pb2.ReplicaInfo:
         info = await asyncio.wait_for(_awaited(self._fetchers[side]), self._timeout_s)
         self._known[side] = info
         return info

@@ -28,7 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec import openai_api
+from specdec.decoding.request import ModelLimits
 from specdec.decoding.round_loop import RoundLoop
+from specdec.deployments.failures import grpc_status
 from specdec.errors import InvalidRequestError
 from specdec.openai_api import OpenAIError, OpenAIRequest, Responder
 
@@ -49,17 +51,14 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIError:
     """Any failure as an OpenAIError: the router's InvalidRequestError as a 400 naming the
-    OpenAI field, ServiceUnavailable as 503, anything else as 500 (the router's grpc_status
-    decides, so both APIs classify alike; never a traceback)."""
+    OpenAI field, ServiceUnavailable as 503, anything else as 500 (grpc_status decides,
+    specdec.deployments.failures, so both APIs classify alike; never a traceback)."""
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, InvalidRequestError):
         if parsed is None:
             return OpenAIError.bad(err.field, err.message)
         return parsed.invalid(err)
-    # Imported here: router.py imports this module to mount HTTP_APP on itself.
-    from specdec.deployments.router import grpc_status
-
     code, message = grpc_status(err)
     status = {"UNAVAILABLE": 503, "RESOURCE_EXHAUSTED": 429}.get(code.name, 500)
     return OpenAIError(status, message, None, code.name.lower())
@@ -68,9 +67,10 @@ def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIErro
 class OpenAIRoutes:
     """The HTTP routes, a mixin of SpeculativeRouter (``@serve.ingress(HTTP_APP)`` there).
 
-    Uses the router's ``tokenizer``, ``metrics``, ``_model_info()`` (ServiceUnavailable when
-    the replicas do not answer), ``_round_loop(GenerateRequest)`` (validates and tokenizes,
-    InvalidRequestError naming the field) and ``_succeed(method, completion, start)``.
+    Uses the router's ``config``, ``tokenizer``, ``metrics``, ``_model_info()`` (the draft's
+    and target's specdec.v1.ReplicaInfo; ServiceUnavailable when the target does not answer),
+    ``_round_loop(GenerateRequest)`` (validates and tokenizes, InvalidRequestError naming the
+    field) and ``_succeed(method, completion, start)``.
     """
 
     @HTTP_APP.get("/v1/models")
@@ -81,13 +81,14 @@ class OpenAIRoutes:
             draft, target = await self._model_info()
         except Exception as err:  # noqa: BLE001 - every failure becomes an error object
             return self._http_error_response("/v1/models", err, None)
+        limits = ModelLimits.of(target, draft, self.config.speculation)
         model = {
-            "id": target["name"],
+            "id": target.name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "specdec",
-            "draft_model": draft["name"],
-            "max_model_len": min(draft["context_limit"], target["context_limit"]),
+            "draft_model": draft.name,
+            "max_model_len": limits.context_limit,
         }
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -111,11 +112,11 @@ class OpenAIRoutes:
             body = await _json_body(http_request, self.config.service.max_request_bytes)
             parsed = openai_api.parse(endpoint, body)
             _, target = await self._model_info()
-            parsed.check_model(target["name"])
+            parsed.check_model(target.name)
             loop = await self._round_loop(parsed.request)
         except Exception as err:  # noqa: BLE001
             return self._http_error_response(method, err, parsed)
-        responder = Responder(parsed, target["name"], self._http_token_text)
+        responder = Responder(parsed, target.name, self._http_token_text)
         if parsed.stream:
             events = self._http_events(loop, responder, method, start)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)

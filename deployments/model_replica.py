@@ -14,7 +14,8 @@ from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.device.calibration import load_calibrated
 from specdec.device.calibration_cache import CalibrationCache
-from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.v1 import worker_pb2
+from specdec.worker.info import replica_info
 from specdec.worker.session import DEFERRED, Deferred, SessionModel
 
 log = logging.getLogger("ray.serve")
@@ -62,9 +63,7 @@ class ModelReplica:
         ).result()
         self._dtype = self.calibration.dtype
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()
-        message = specdec_pb2.DeviceCalibration()
-        self.calibration.to_proto(message)
-        self._calibration_bytes = message.SerializeToString()
+        self._info = replica_info(self.side, config)
         self._metrics = ReplicaMetrics()
         log.info(
             "loaded %s (%s, %s) with a %d-byte session cache",
@@ -146,18 +145,10 @@ class ModelReplica:
     ) -> worker_pb2.CacheStats:
         return self.side.cache_stats()
 
-    async def model_info(self) -> dict:
-        """vocab_size, context_limit (tokens), eos_token_ids, name and dtype of the model, and
-        its start-up calibration (a serialized specdec.v1.DeviceCalibration)."""
-        loaded = self.side.loaded
-        return {
-            "name": loaded.name,
-            "dtype": self._dtype,
-            "vocab_size": loaded.vocab_size,
-            "context_limit": loaded.context_limit,
-            "eos_token_ids": sorted(loaded.eos_token_ids),
-            "calibration": self._calibration_bytes,
-        }
+    async def model_info(self) -> worker_pb2.ReplicaInfo:
+        """The model (name, dtype, vocab_size, context_limit in tokens, eos_token_ids), its
+        start-up calibration and the cost table computed from it (specdec.worker.info)."""
+        return self._info
 
     async def replica_id(self) -> str:
         """This replica's Serve id (tests and operators use it to find a session's replica)."""

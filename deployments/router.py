@@ -22,25 +22,12 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.exceptions import (
-    LocalRayletDiedError,
-    NodeDiedError,
-    ObjectLostError,
-    RayActorError,
-    WorkerCrashedError,
-)
 from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
-from ray.serve.exceptions import (
-    BackPressureError,
-    DeploymentUnavailableError,
-    ReplicaUnavailableError,
-    RequestCancelledError,
-)
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from specdec.config import ServiceConfig, SpecdecConfig
-from specdec.decoding.controller import CostModel
+from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import (
@@ -55,58 +42,16 @@ from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
 from specdec.deployments import health
+from specdec.deployments.failures import ServiceUnavailable, grpc_status, retryable
 from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import RouterMetrics
-from specdec.device.cost_prior import cost_prior
 from specdec.errors import InvalidRequestError, MalformedRequest
 from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
-
-
-class ServiceUnavailable(RuntimeError):
-    """No draft or target replica answered in time; the router answers UNAVAILABLE."""
-
-
-# What a replica that died, is draining, or was never placed makes a handle call raise: the call
-# never ran to completion on a live replica, so it is safe to send again (draws are keyed by
-# position, and a replica without the session rebuilds it). With Serve's per-replica gRPC
-# transport a dead or shut-down replica raises ActorUnavailableError (a RayActorError) or
-# RequestCancelledError (its server cancelled the call while draining), other gRPC failures
-# grpc.aio.AioRpcError (handled by code in retryable); a replica whose node died raises the
-# node and worker errors. Errors of the replica's own code (RayTaskError) are not here: sending
-# the same call again would fail again, so they answer INTERNAL.
-RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
-    asyncio.TimeoutError,
-    RayActorError,
-    WorkerCrashedError,
-    NodeDiedError,
-    LocalRayletDiedError,
-    ObjectLostError,
-    ReplicaUnavailableError,
-    DeploymentUnavailableError,
-    BackPressureError,
-    RequestCancelledError,
-)
-RETRYABLE_GRPC_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    }
-)
-
-
-def retryable(err: BaseException) -> bool:
-    """Whether a failed handle call may be sent again: a replica dying, draining or missing
-    (RETRYABLE_ERRORS, or a gRPC transport failure with a code in RETRYABLE_GRPC_CODES)."""
-    if isinstance(err, RETRYABLE_ERRORS):
-        return True
-    return isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE_GRPC_CODES
 
 
 class HandleTransport:
@@ -207,22 +152,6 @@ def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
     )
 
 
-def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a failed request answers with; the message never carries a traceback."""
-    if isinstance(err, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, ServiceUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(err)
-    if isinstance(err, BackPressureError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err.message} Retry after {RETRY_HINT_S:g} s."
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
-
-
-# The retry hint of a RESOURCE_EXHAUSTED the router itself answers, in seconds (Serve's proxy
-# answers the requests past the router's max_queued_requests itself; see docs/service.md).
-RETRY_HINT_S = 1.0
-
-
 # A router replica being scaled down holds whole requests (streams of many rounds), not single
 # calls: it drains for up to graceful_shutdown_timeout_s (Serve's default, 20 s, is shorter than
 # a long generation on a CPU) and checks every wait_loop_s whether its last stream has ended.
@@ -320,22 +249,21 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             return specdec_pb2.ModelInfo()
         service = self.config.service
         info = specdec_pb2.ModelInfo(
-            target_model=target["name"],
-            vocab_size=target["vocab_size"],
-            target_context_limit=target["context_limit"],
-            context_limit=target["context_limit"],
+            target_model=target.name,
+            vocab_size=target.vocab_size,
+            target_context_limit=target.context_limit,
+            context_limit=ModelLimits.of(target, draft, self.config.speculation).context_limit,
             draft_pool=service.draft_pool,
             target_pool=service.target_pool,
-            target_dtype=target["dtype"],
+            target_dtype=target.dtype,
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            target_calibration=_calibration(target),
+            target_calibration=target.calibration,
         )
         if draft is not None:  # else: no draft replica has answered yet (draft fields unset)
-            info.draft_model = draft["name"]
-            info.draft_context_limit = draft["context_limit"]
-            info.context_limit = min(draft["context_limit"], target["context_limit"])
-            info.draft_dtype = draft["dtype"]
-            info.draft_calibration.CopyFrom(_calibration(draft))
+            info.draft_model = draft.name
+            info.draft_context_limit = draft.context_limit
+            info.draft_dtype = draft.dtype
+            info.draft_calibration.CopyFrom(draft.calibration)
         return info
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
@@ -410,7 +338,9 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     def _draft_changed(self, available: bool) -> None:
         self.metrics.draft_available.set(int(available))
 
-    async def _model_info(self, draft_wait_s: float = 0.0) -> tuple[dict | None, dict]:
+    async def _model_info(
+        self, draft_wait_s: float = 0.0
+    ) -> tuple[worker_pb2.ReplicaInfo | None, worker_pb2.ReplicaInfo]:
         """(draft, target) model_info. A request needs only the target's: the draft's is None
         when no draft replica has answered within draft_wait_s seconds (its fetch goes on in
         the background; requests run without the draft meanwhile).
@@ -430,9 +360,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             draft = None
         if not self._prior_set and draft is not None:
             # The replicas' start-up measurements price the first rounds of the first requests.
-            k_max = self.config.speculation.max_speculative_tokens
-            batch = self.config.models.max_batch_size
-            prior = cost_prior(_calibration(target), _calibration(draft), k_max, batch)
+            prior = CostPrior.of(target.costs, draft.costs, self.config)
             if prior is not None:
                 self.costs.set_prior(prior)
             self._prior_set = True
@@ -440,13 +368,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
 
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
-        contexts = [target["context_limit"]] + ([draft["context_limit"]] if draft else [])
-        return ModelLimits(
-            vocab_size=target["vocab_size"],
-            context_limit=min(contexts),
-            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            eos_token_ids=frozenset(target["eos_token_ids"]),
-        )
+        return ModelLimits.of(target, draft, self.config.speculation)
 
     def _fail(self, method: str, err: Exception, grpc_context: RayServegRPCContext):
         code, details = grpc_status(err)
@@ -486,8 +408,3 @@ def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateRes
     )
     _add_summary(message, completion)
     return message
-
-
-def _calibration(info: dict) -> specdec_pb2.DeviceCalibration:
-    """A replica's model_info calibration (serialized bytes; absent from an older replica)."""
-    return specdec_pb2.DeviceCalibration.FromString(info.get("calibration", b""))

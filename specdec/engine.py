@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from specdec.config import SpecdecConfig, SpeculationConfig
-from specdec.decoding.controller import CostModel
+from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
 from specdec.decoding.round_loop import Completion, RoundLoop
@@ -19,9 +19,9 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
 from specdec.device.calibration import Calibration, load_calibrated
 from specdec.device.calibration_cache import CalibrationCache
-from specdec.device.cost_prior import cost_prior
 from specdec.models.loading import LoadedModel, check_same_tokenizer
-from specdec.v1 import specdec_pb2, worker_pb2
+from specdec.v1 import worker_pb2
+from specdec.worker.info import replica_info
 from specdec.worker.proposer import DraftProposer
 from specdec.worker.session import DEFERRED
 from specdec.worker.verifier import TargetVerifier
@@ -140,23 +140,16 @@ class SpeculativeEngine:
             DraftProposer(draft, self.config, calibrations.get("draft")),
             TargetVerifier(target, self.config, calibrations.get("target")),
         )
-        self.limits = ModelLimits(
-            vocab_size=target.vocab_size,
-            context_limit=min(draft.context_limit, target.context_limit),
-            max_speculative_tokens=self.config.speculation.max_speculative_tokens,
-            eos_token_ids=target.eos_token_ids,
-        )
+        # What each side's replica would report (its model and cost table), so that the
+        # limits and the cost prior are built as the router builds them.
+        draft_info = replica_info(self.transport.proposer, self.config)
+        target_info = replica_info(self.transport.verifier, self.config)
+        self.limits = ModelLimits.of(target_info, draft_info, self.config.speculation)
         self.costs = CostModel(self.config.speculation)
         # Without a probe: once a failed draft's retry delay has passed, the next propose is
         # the check (the draft lives in this process).
         self.draft_availability = DraftAvailability(self.config.service.draft_retry_s)
-        protos = {}
-        sides = {"draft": self.transport.proposer, "target": self.transport.verifier}
-        for side, model in sides.items():
-            protos[side] = specdec_pb2.DeviceCalibration()
-            if model.calibration is not None:
-                model.calibration.to_proto(protos[side])
-        prior = cost_prior(protos["target"], protos["draft"], self.limits.max_speculative_tokens)
+        prior = CostPrior.of(target_info.costs, draft_info.costs, self.config)
         if prior is not None:
             self.costs.set_prior(prior)
 

@@ -52,7 +52,7 @@ def engine(tiny_pair):
 def force_confidence_stop(monkeypatch):
     """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on
     the draft's confidence at ``floor`` (forced_rounds.confidence_stop_choose)."""
-    from specdec.decoding.controller import KController
+    from specdec.decoding.k_policy import KController
 
     def force(k: int, floor: float) -> None:
         monkeypatch.setattr(KController, "choose", confidence_stop_choose(k, floor))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec.decoding.controller import KController, RoundPlan
+from specdec.decoding.k_policy import KController, RoundPlan
 
 
 def confidence_stop_choose(k: int, floor: float) -> Callable:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec.config import ServiceConfig, SpeculationConfig
 from specdec.decoding.sampling import SamplingParams
 from specdec.errors import ConfigError, InvalidRequestError
+from specdec.v1 import worker_pb2
 
 AUTO = "auto"
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -26,6 +27,25 @@ class ModelLimits:
     context_limit: int
     max_speculative_tokens: int
     eos_token_ids: frozenset[int]
+
+    @classmethod
+    def of(
+        cls,
+        target: worker_pb2.ReplicaInfo,
+        draft: worker_pb2.ReplicaInfo | None,
+        config: SpeculationConfig,
+    ) -> ModelLimits:
+        """The pair's limits from its replicas' infos (specdec.worker.info.replica_info): the
+        target's vocabulary and EOS ids, the smaller context limit (the target's alone while
+        no draft replica has answered: ``draft`` None), and config's max_speculative_tokens.
+        The router, its HTTP API and the in-process engine all build their limits here."""
+        contexts = [target.context_limit] + ([draft.context_limit] if draft is not None else [])
+        return cls(
+            vocab_size=target.vocab_size,
+            context_limit=min(contexts),
+            max_speculative_tokens=config.max_speculative_tokens,
+            eos_token_ids=frozenset(target.eos_token_ids),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,9 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from specdec.config import SpeculationConfig
-from specdec.decoding.controller import CostModel, KController, RoundTiming
+from specdec.decoding.costs import CostModel, RoundTiming
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.k_policy import KController
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
@@ -109,7 +110,7 @@ class RoundLoop:
 
     async def run(self) -> AsyncIterator[Delta]:
         """Yields each round's Delta; releases the session on both sides however it ends."""
-        self._controller.costs.request_started(self._controller)
+        self._controller.costs.traffic.request_started(self._controller)
         try:
             delta = await self._prefill()
             yield delta
@@ -118,7 +119,7 @@ class RoundLoop:
                 yield delta
             self._finish()
         finally:
-            self._controller.costs.request_ended(self._controller)
+            self._controller.costs.traffic.request_ended(self._controller)
             if self._draft_prefill is not None:
                 self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.
@@ -146,12 +147,12 @@ class RoundLoop:
             and self._draft.available()
         ):
             self._draft_prefill = asyncio.ensure_future(self._propose(0))
-        costs = self._controller.costs
-        costs.prefill_started()
+        traffic = self._controller.costs.traffic
+        traffic.prefill_started()
         try:
             verified, _ = await self._verify([], None)
         finally:
-            costs.prefill_ended()
+            traffic.prefill_ended()
         self._recorder.prefill(verified.compute_s)
         return self._commit(verified)
 
@@ -186,7 +187,7 @@ class RoundLoop:
             return False
         if self._config.concurrent_prefill or self._known["draft"] > 0:
             return True
-        return self._controller.costs.prefills_pending == 0
+        return self._controller.costs.traffic.prefills_pending == 0
 
     async def _round(self) -> Delta:
         draft_lag = len(self._ids) - self._known["draft"] - self._draft_ran

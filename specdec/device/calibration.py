@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from specdec.decoding.controller import expected_tokens
+from specdec.decoding.acceptance import expected_tokens
 from specdec.device.exact_widths import (
     half_precision_rows,
     measure_width_classes,

@@ -1,41 +1,31 @@
-"""The controller's starting costs, from the calibrations the draft and target replicas report."""
+"""One replica's side of the controller's starting costs: its cost table, from its calibration.
+
+A draft or target replica computes its table once, at start-up, and reports it in its
+ReplicaInfo (specdec.worker.info); the router combines the two sides' tables with pure arithmetic
+(specdec.decoding.costs.CostPrior.of), and so does the in-process engine.
+"""
 
 from __future__ import annotations
 
-from specdec.decoding.controller import CostPrior
-from specdec.device.calibration import ExactWidths
+from specdec.config import SpecdecConfig
+from specdec.device.calibration import Calibration, ExactWidths
+from specdec.v1 import worker_pb2
 
 
-def cost_prior(
-    target, draft, max_speculative_tokens: int, max_batch_size: int = 1
-) -> CostPrior | None:
-    """The controller's starting costs from two specdec.v1.DeviceCalibration messages: verify
-    of k draft tokens = the target's k + 1 rows in its exact widths (padding and chunks
-    included), a draft step = the draft's 1-row forward, its catch-up = its 2-row forward, a
-    longer catch-up = the draft's prefill seconds per token, and a batched verify of r rows, r
-    up to max_batch_size x (k_max + 1), = r rows in the exact widths. None when either side
-    reported no costs."""
-    target_chosen, draft_chosen = _chosen(target), _chosen(draft)
-    target_costs = tuple(target_chosen.forward_s) if target_chosen else ()
-    draft_costs = tuple(draft_chosen.forward_s) if draft_chosen else ()
-    if not target_costs or not draft_costs:
-        return None
-    draft_prefill = draft_chosen.prefill_s_per_token
-    exact = ExactWidths(
-        tuple(target.exact_widths) or tuple(range(1, len(target_costs) + 1)), target_costs
-    )
-    verify_s = [exact.rows_seconds(k + 1) for k in range(max_speculative_tokens + 1)]
-    catchup_s = draft_costs[1] if len(draft_costs) > 1 else None
-    batch_rows = max_batch_size * (max_speculative_tokens + 1) if max_batch_size > 1 else 0
-    return CostPrior(
-        verify_s=verify_s,
-        draft_step_s=draft_costs[0],
-        catchup_s=catchup_s,
-        batch_verify_s=[exact.rows_seconds(rows) for rows in range(1, batch_rows + 1)],
-        catchup_token_s=draft_prefill if draft_prefill > 0 else None,  # 0: not reported
-    )
-
-
-def _chosen(message):
-    """The DtypeCost of the dtype a DeviceCalibration message chose; None without one."""
-    return next((c for c in message.candidates if c.dtype == message.dtype), None)
+def cost_table(calibration: Calibration | None, config: SpecdecConfig) -> worker_pb2.CostTable:
+    """The forward costs of the calibration's chosen dtype: as measured by width (forward_s),
+    by rows in the calibration's exact widths (rows_s; every width its own when it has none),
+    padding and chunks included, up to config.models.max_batch_size x (k_max + 1) rows, and its
+    prefill seconds per token. Empty without a calibration or its costs."""
+    table = worker_pb2.CostTable()
+    chosen = calibration.chosen if calibration is not None else None
+    forward_s = tuple(chosen.forward_s) if chosen is not None else ()
+    if not forward_s:
+        return table
+    widths = chosen.exact.widths if chosen.exact is not None else ()
+    exact = ExactWidths(tuple(widths) or tuple(range(1, len(forward_s) + 1)), forward_s)
+    rows = config.models.max_batch_size * (config.speculation.max_speculative_tokens + 1)
+    table.forward_s.extend(forward_s)
+    table.rows_s.extend(exact.rows_seconds(r) for r in range(1, rows + 1))
+    table.prefill_s_per_token = chosen.prefill_s_per_token
+    return table

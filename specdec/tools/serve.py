@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.config import APPLICATION
-from specdec.tools.args import DEFAULT_CONFIG, config_path, grpc_port
+from specdec.tools.args import DEFAULT_CONFIG, config_path
 
 # parsed-args attributes (--draft-model ...) that override the application arg of the same name
 OVERRIDES = ("draft_model", "target_model", "dtype", "draft_dtype")
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
         installed. RuntimeError: no cluster to deploy to, or the deployment failed.
     """
     from specdec.cluster import local
-    from specdec.deployments.deploy import deploy, resolve_bundled
+    from specdec.deployments.deploy import ServeConfig, bundled_models, deploy
 
     address = args.address
     if args.local:
@@ -51,12 +51,13 @@ def main(args: argparse.Namespace) -> int:
         except RuntimeError:
             address = local.up().address
     overrides = {key: getattr(args, key) for key in OVERRIDES if getattr(args, key)}
-    config = config_path(args.config)
+    # Parsed once (ConfigError before anything starts), then passed whole.
+    config = ServeConfig.load(config_path(args.config), overrides)
     if args.local or args.address is None:
-        overrides = resolve_bundled(config, overrides)
-    deploy(config, address=address or local.address(), overrides=overrides)
+        config = config.with_settings(**bundled_models(config))
+    deploy(config, address=address or local.address())
     print(
-        f"specdec is serving (config {config}); gRPC on port {grpc_port(config)}, "
+        f"specdec is serving (config {config.path}); gRPC on port {config.grpc_port}, "
         f"application '{APPLICATION}'"
     )
     return 0

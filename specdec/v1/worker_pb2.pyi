@@ -1,3 +1,4 @@
+from specdec.v1 import specdec_pb2 as _specdec_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -131,3 +132,31 @@ class CacheStats(_message.Message):
     evictions: int
     rebuilds: int
     def __init__(self, sessions: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., rebuilds: _Optional[int] = ...) -> None: ...
+
+class CostTable(_message.Message):
+    __slots__ = ("forward_s", "rows_s", "prefill_s_per_token")
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    ROWS_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    forward_s: _containers.RepeatedScalarFieldContainer[float]
+    rows_s: _containers.RepeatedScalarFieldContainer[float]
+    prefill_s_per_token: float
+    def __init__(self, forward_s: _Optional[_Iterable[float]] = ..., rows_s: _Optional[_Iterable[float]] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("name", "dtype", "vocab_size", "context_limit", "eos_token_ids", "calibration", "costs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    vocab_size: int
+    context_limit: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    calibration: _specdec_pb2.DeviceCalibration
+    costs: CostTable
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_limit: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., calibration: _Optional[_Union[_specdec_pb2.DeviceCalibration, _Mapping]] = ..., costs: _Optional[_Union[CostTable, _Mapping]] = ...) -> None: ...

@@ -14,6 +14,7 @@ import yaml
 
 from specdec import config as config_module
 from specdec.config import (
+    APPLICATION,
     SIDES,
     ModelConfig,
     ServiceConfig,
@@ -314,3 +315,34 @@ def test_serve_refuses_a_bad_config_before_deploying(tmp_path, capsys):
     path = _serve_config(tmp_path, **BASE, draft_top_n=-1)
     assert main(["serve", "--config", str(path), "--address", "127.0.0.1:1"]) == 1
     assert capsys.readouterr().err.startswith("specdec: draft_top_n: must be at least 0")
+
+
+def test_serve_parses_the_config_once_and_deploys_that_object(tmp_path, monkeypatch, capsys):
+    """`specdec serve` on this machine: the config is parsed once, the bundled pair converted
+    from it, and deploy gets the parsed config with the converted directories in its args."""
+    pytest.importorskip("ray")
+    from specdec.cli import main
+    from specdec.cluster import local
+    from specdec.deployments import deploy
+    from specdec.models import bundled
+
+    parses, deployed = [], []
+    from_args = SpecdecConfig.from_args.__func__
+    monkeypatch.setattr(
+        SpecdecConfig,
+        "from_args",
+        classmethod(lambda cls, a: parses.append(a) or from_args(cls, a)),
+    )
+    monkeypatch.setattr(bundled, "resolve", lambda spec, dtype: f"/converted/{spec}-{dtype}")
+    monkeypatch.setattr(local, "address", lambda: "127.0.0.1:1")
+    monkeypatch.setattr(deploy, "deploy", lambda config, **kw: deployed.append((config, kw)))
+    path = _serve_config(tmp_path, draft_model="bundled:draft", target_model="/models/target")
+    assert main(["serve", "--config", str(path), "--draft-dtype", "int8"]) == 0
+    assert len(parses) == 1
+    ((config, kwargs),) = deployed
+    assert kwargs == {"address": "127.0.0.1:1"}
+    assert config.app.models.draft_model == "/converted/bundled:draft-int8"
+    (app,) = [a for a in config.schema.applications if a.name == APPLICATION]
+    assert app.args["draft_model"] == "/converted/bundled:draft-int8"
+    assert app.args["draft_dtype"] == "int8"
+    assert f"gRPC on port {config.grpc_port}" in capsys.readouterr().out

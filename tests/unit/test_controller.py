@@ -7,14 +7,9 @@ import dataclasses
 import pytest
 
 from specdec.config import SpeculationConfig
-from specdec.decoding.controller import (
-    PROBE_EVERY,
-    AcceptanceEstimator,
-    CostModel,
-    KController,
-    RoundTiming,
-    expected_tokens,
-)
+from specdec.decoding.acceptance import AcceptanceEstimator, expected_tokens
+from specdec.decoding.costs import CostModel, RoundTiming
+from specdec.decoding.k_policy import PROBE_EVERY, KController
 
 
 def _config(k_max: int = 8, dynamic: bool = False) -> SpeculationConfig:

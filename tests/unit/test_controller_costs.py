@@ -1,5 +1,5 @@
 """The shared cost model: catch-up apart from draft steps, rebuilds and outliers kept out,
-calibration priors, and the k it leads to (specdec.decoding.controller)."""
+calibration priors, and the k it leads to (specdec.decoding.costs, specdec.decoding.k_policy)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,11 @@ import random
 import pytest
 
 from specdec.config import SpeculationConfig
-from specdec.decoding.controller import (
-    CATCHUP_STEADY_TOKENS,
-    CONFIDENCE_WINDOW,
-    EXPLORE_S,
-    LOAD_HOLD_S,
-    MAX_AGE_S,
-    PROBE_EVERY,
-    WINDOW,
-    ConfidenceCalibration,
-    CostModel,
-    CostPrior,
-    KController,
-    RoundTiming,
-)
+from specdec.decoding.acceptance import CONFIDENCE_WINDOW, ConfidenceCalibration
+from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel, CostPrior, RoundTiming
+from specdec.decoding.k_policy import PROBE_EVERY, KController
+from specdec.decoding.traffic import EXPLORE_S, LOAD_HOLD_S
+from specdec.decoding.windows import MAX_AGE_S, WINDOW
 
 STEP_S = 0.02  # a draft step
 CATCHUP_S = 0.03  # a steady catch-up over 1-2 tokens
@@ -316,10 +307,10 @@ def test_dynamic_length_floor_uses_the_draft_step_not_the_catchup():
 
 def _with_in_flight(costs: CostModel, requests: int) -> None:
     """Sets the requests in flight on ``costs``: the load its draft costs are kept at."""
-    while costs.in_flight < requests:
-        costs.request_started()
-    while costs.in_flight > requests:
-        costs.request_ended()
+    while costs.traffic.in_flight < requests:
+        costs.traffic.request_started()
+    while costs.traffic.in_flight > requests:
+        costs.traffic.request_ended()
 
 
 def _batch_prior(k_max: int = 8, sessions: int = 8, flat_rows: int = 16) -> CostPrior:
@@ -350,7 +341,7 @@ def test_under_load_k_falls_to_what_the_batch_can_absorb():
     alone = controller.choose(limit=100).k
     for _ in range(WINDOW):
         costs.observe(0, _batched_round(0, 8, verify_s=0.2))
-    assert costs.batch_sessions == 8
+    assert costs.traffic.batch_sessions == 8
     loaded = controller.choose(limit=100).k
     assert alone >= 4
     assert loaded == 1
@@ -364,9 +355,9 @@ def test_lone_verifies_keep_the_per_k_costs_and_batched_ones_do_not_touch_them()
     costs = CostModel(_config(), _batch_prior())
     for _ in range(WINDOW):
         costs.observe(3, _round(3, verify_s=0.3))  # alone: batch_sessions not reported
-    assert costs.batch_sessions == 1 and costs.verify_seconds(3) == pytest.approx(0.3)
+    assert costs.traffic.batch_sessions == 1 and costs.verify_seconds(3) == pytest.approx(0.3)
     costs.observe(3, _batched_round(3, 2, verify_s=5.0))
-    assert costs.batch_sessions == 1  # the median of mostly lone verifies
+    assert costs.traffic.batch_sessions == 1  # the median of mostly lone verifies
     assert costs.verify_seconds(3) == pytest.approx(0.3)  # not the batch's 5 s
 
 
@@ -403,20 +394,20 @@ def test_a_draft_starts_priced_at_the_requests_in_flight_under_a_burst():
     now = [0.0]
     costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
-    assert costs.batch_sessions == 1
-    costs.request_started()
+    assert costs.traffic.batch_sessions == 1
+    costs.traffic.request_started()
     assert controller.choose(limit=1000, draft_lag=100).k > 0  # alone: start the draft
     for _ in range(7):
-        costs.request_started()
-    assert costs.in_flight == 8
+        costs.traffic.request_started()
+    assert costs.traffic.in_flight == 8
     assert controller.choose(limit=1000, draft_lag=100).k == 0  # no prefill for nothing
     # A draft already caught up has nothing to buy, but its round is priced in the same batch
     # of the 8 requests in flight (the next test), where k = 1 takes two forwards.
     assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k == 0
     for _ in range(8):
-        costs.request_ended()
-    costs.request_ended()  # an extra end never counts below zero
-    assert costs.in_flight == 0
+        costs.traffic.request_ended()
+    costs.traffic.request_ended()  # an extra end never counts below zero
+    assert costs.traffic.in_flight == 0
     now[0] += LOAD_HOLD_S
     assert controller.choose(limit=1000, draft_lag=100).k > 0
 
@@ -430,15 +421,15 @@ def test_a_round_is_priced_in_a_batch_of_every_request_in_flight():
     costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     for _ in range(8):
-        costs.request_started()
+        costs.traffic.request_started()
     for _ in range(5):
         costs.observe(0, _batched_round(0, sessions=3, verify_s=0.2))
-    assert costs.batch_sessions == 3
+    assert costs.traffic.batch_sessions == 3
     assert costs.round_seconds(1, 3) == costs.round_seconds(0, 3) + costs.draft_seconds(1)
     assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k == 0
     for _ in range(5):
-        costs.request_ended()
-    assert costs.in_flight == 3  # now the batches of 3 are the load
+        costs.traffic.request_ended()
+    assert costs.traffic.in_flight == 3  # now the batches of 3 are the load
     now[0] += LOAD_HOLD_S
     assert controller.choose(limit=1000, draft_lag=CATCHUP_STEADY_TOKENS).k > 0
 
@@ -454,13 +445,13 @@ def test_the_batch_load_follows_the_requests_in_flight_at_once():
     for _ in range(WINDOW):
         costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
     controller = KController(costs, _config(), acceptance=_FixedRate(0.9))
-    assert costs.batch_load == 8
+    assert costs.traffic.batch_load == 8
     assert controller.choose(limit=1000).k == 0
     _with_in_flight(costs, 1)
-    assert costs.batch_load == 8  # held: another request would take their places at once
+    assert costs.traffic.batch_load == 8  # held: another request would take their places at once
     now[0] += LOAD_HOLD_S
-    assert costs.batch_sessions == 8  # the median lags
-    assert costs.batch_load == 1
+    assert costs.traffic.batch_sessions == 8  # the median lags
+    assert costs.traffic.batch_load == 1
     assert controller.choose(limit=1000).k >= 6
 
 
@@ -473,23 +464,23 @@ def test_a_request_that_ends_counts_in_the_batch_load_for_the_hold():
     costs = CostModel(_config(), _batch_prior(flat_rows=8), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.9))
     _with_in_flight(costs, 2)
-    assert costs.batch_load == 2
+    assert costs.traffic.batch_load == 2
     now[0] += 10.0
-    costs.request_ended()
+    costs.traffic.request_ended()
     now[0] += LOAD_HOLD_S / 2
-    assert costs.batch_load == 2
+    assert costs.traffic.batch_load == 2
     assert controller.choose(limit=1000).k == 3
-    costs.request_started()  # the next request arrives
+    costs.traffic.request_started()  # the next request arrives
     now[0] += LOAD_HOLD_S
-    assert costs.batch_load == 2
-    costs.request_ended()
-    assert costs.batch_load == 2
+    assert costs.traffic.batch_load == 2
+    costs.traffic.request_ended()
+    assert costs.traffic.batch_load == 2
     now[0] += LOAD_HOLD_S * 1.01
-    assert costs.batch_load == 1
+    assert costs.traffic.batch_load == 1
     assert controller.choose(limit=1000).k == 8
     for _ in range(4):
-        costs.request_started()
-    assert costs.batch_load == 5  # a burst counts at once
+        costs.traffic.request_started()
+    assert costs.traffic.batch_load == 5  # a burst counts at once
 
 
 def test_sessions_from_other_routers_scale_the_batch_load():
@@ -499,10 +490,10 @@ def test_sessions_from_other_routers_scale_the_batch_load():
     _with_in_flight(costs, 4)
     for _ in range(WINDOW):
         costs.observe(0, _batched_round(0, sessions=8, verify_s=0.2))
-    assert costs.batch_load == 8
+    assert costs.traffic.batch_load == 8
     _with_in_flight(costs, 2)
     now[0] += LOAD_HOLD_S
-    assert costs.batch_load == 4
+    assert costs.traffic.batch_load == 4
 
 
 def test_in_a_batch_every_request_prices_the_mean_acceptance():
@@ -512,20 +503,22 @@ def test_in_a_batch_every_request_prices_the_mean_acceptance():
     costs = CostModel(_config(), _batch_prior(flat_rows=16))
     sure = KController(costs, _config(), acceptance=_FixedRate(1.0))
     unsure = [KController(costs, _config(), acceptance=_FixedRate(0.3)) for _ in range(3)]
-    costs.request_started(sure)
+    costs.traffic.request_started(sure)
     alone = sure.choose(limit=1000).k
-    assert costs.batch_expected_tokens(3) is None  # one request: its own rate
+    assert costs.traffic.batch_expected_tokens(3) is None  # one request: its own rate
     for controller in unsure:
-        costs.request_started(controller)
-    assert costs.batch_expected_tokens(3) == pytest.approx((4 + 3 * (1 + 0.3 + 0.09 + 0.027)) / 4)
+        costs.traffic.request_started(controller)
+    assert costs.traffic.batch_expected_tokens(3) == pytest.approx(
+        (4 + 3 * (1 + 0.3 + 0.09 + 0.027)) / 4
+    )
     costs.observe(4, _batched_round(4, sessions=4, verify_s=0.2))  # the load's draft measured
     choices = {controller.choose(limit=1000).k for controller in [sure, *unsure]}
     assert len(choices) == 1
     assert choices.pop() < alone
     for controller in unsure:
-        costs.request_ended(controller)
-    costs.request_ended(sure)
-    assert costs.in_flight == 0 and costs.batch_expected_tokens(3) is None
+        costs.traffic.request_ended(controller)
+    costs.traffic.request_ended(sure)
+    assert costs.traffic.in_flight == 0 and costs.traffic.batch_expected_tokens(3) is None
 
 
 def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
@@ -536,14 +529,14 @@ def test_a_draft_prefill_is_charged_to_the_batch_it_delays():
     costs = CostModel(_config(), _batch_prior(flat_rows=16), clock=lambda: now[0])
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     for _ in range(8):
-        costs.request_started()
+        costs.traffic.request_started()
     assert controller.choose(limit=99, draft_lag=100).k > 0  # no catch-up measured yet
     costs.observe(1, _round(1, catchup_s=2.0, catchup_tokens=100))
     assert costs.catchup_token_seconds == pytest.approx(0.02)
     assert controller.choose(limit=99, draft_lag=100).k == 0
     # Alone, the same prefill pays for itself over the request.
     for _ in range(7):
-        costs.request_ended()
+        costs.traffic.request_ended()
     now[0] += LOAD_HOLD_S
     assert controller.choose(limit=99, draft_lag=100).k > 0
 
@@ -556,7 +549,7 @@ def test_waiting_in_a_batch_is_not_priced_as_orchestration():
         costs.observe(4, RoundTiming(**{**batched.__dict__, "overhead_s": 3.0}))
     for _ in range(WINDOW):  # then alone again, plain decoding
         costs.observe(0, _round(0))
-    assert costs.batch_sessions == 1
+    assert costs.traffic.batch_sessions == 1
     assert costs.round_seconds(4) == pytest.approx(lone)
 
 
@@ -565,12 +558,12 @@ def test_a_lone_verify_beside_other_requests_in_flight_is_not_priced_as_orchestr
     # the other request's call (and its draft for the other's draft).
     costs = _measured()
     alone = costs.round_seconds(4)
-    costs.request_started()
-    costs.request_started()
+    costs.traffic.request_started()
+    costs.traffic.request_started()
     for _ in range(WINDOW):
         costs.observe(4, _round(4, overhead_s=0.9))
     assert costs.round_seconds(4) == pytest.approx(alone)
-    costs.request_ended()
+    costs.traffic.request_ended()
     for _ in range(WINDOW):  # alone on the router: its orchestration is measured
         costs.observe(4, _round(4, overhead_s=0.9))
     assert costs.round_seconds(4) == pytest.approx(alone - OVERHEAD_S + 0.9)
@@ -623,7 +616,7 @@ def test_without_a_prior_a_load_not_yet_measured_prices_with_the_nearest_load():
     # samples. That failed the request (int * None) instead of pricing with the lone step.
     costs = _measured()
     for _ in range(8):
-        costs.request_started()
+        costs.traffic.request_started()
     assert costs.draft_step_at(8) == pytest.approx(STEP_S)
     assert costs.catchup_at(8) == pytest.approx(CATCHUP_S)
     assert costs.draft_seconds(4) == pytest.approx(CATCHUP_S + 3 * STEP_S)
@@ -648,15 +641,15 @@ def test_draft_costs_are_kept_by_the_requests_in_flight_not_only_the_verify_batc
     costs = CostModel(_config(), _batch_prior())
     for _ in range(WINDOW):
         costs.observe(4, _round(4))
-    costs.request_started()
-    costs.request_started()
+    costs.traffic.request_started()
+    costs.traffic.request_started()
     slow = _scaled_round(4, 10)
     for _ in range(WINDOW):
         costs.observe(4, slow)
-    assert costs.batch_sessions == 1
+    assert costs.traffic.batch_sessions == 1
     assert costs.draft_step_seconds == pytest.approx(10 * STEP_S)
     assert costs.draft_seconds(4) == pytest.approx(10 * (CATCHUP_S + 3 * STEP_S))
-    costs.request_ended()
+    costs.traffic.request_ended()
     assert costs.draft_step_seconds == pytest.approx(STEP_S)
     assert costs.catchup_seconds == pytest.approx(CATCHUP_S)
 
@@ -698,14 +691,14 @@ def test_the_calibrations_prefill_cost_prices_a_draft_start_before_any_is_measur
     costs = CostModel(_config(), prior)
     controller = KController(costs, _config(), acceptance=_FixedRate(0.5))
     for _ in range(8):
-        costs.request_started()
+        costs.traffic.request_started()
     assert costs.catchup_token_seconds == pytest.approx(0.02)
     assert controller.choose(limit=99, draft_lag=100).k == 0
     unpriced = KController(
         CostModel(_config(), _batch_prior(flat_rows=16)), _config(), acceptance=_FixedRate(0.5)
     )
     for _ in range(8):
-        unpriced.costs.request_started()
+        unpriced.costs.traffic.request_started()
     assert unpriced.choose(limit=99, draft_lag=100).k > 0
 
 
@@ -723,8 +716,8 @@ def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
     assert second.choose(limit=1000).k > 0
     assert first.choose(limit=1000).k == 0
     # That request ended: the turn passes again.
-    costs.request_ended(second)
-    costs.request_started()
+    costs.traffic.request_ended(second)
+    costs.traffic.request_started()
     assert others[0].choose(limit=1000).k > 0
     # A round whose catch-up was the draft's prefill measured no step: still its turn alone.
     prefill_only = _round(1, catchup_s=1.0, catchup_tokens=100)
@@ -738,10 +731,10 @@ def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
     # Alone, the calibration prices the draft well enough: no turn to wait for, even where the
     # recent verify batches were large.
     lone = CostModel(_config(), _batch_prior(flat_rows=64))
-    lone.request_started()
+    lone.traffic.request_started()
     for _ in range(WINDOW):
         lone.observe(0, _batched_round(0, 8, verify_s=0.2))
-    assert lone.batch_sessions == 8
+    assert lone.traffic.batch_sessions == 8
     controllers = [KController(lone, _config(), acceptance=_FixedRate(0.9)) for _ in range(2)]
     assert [c.choose(limit=1000).k > 0 for c in controllers] == [True, True]
 
@@ -749,7 +742,7 @@ def test_one_request_at_a_time_measures_the_draft_at_a_new_load():
 def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
     controller = KController(_measured(), _config())
     controller.acceptance.observe(8, 8)  # a high acceptance: speculation pays
-    with caplog.at_level("DEBUG", logger="specdec.decoding.controller"):
+    with caplog.at_level("DEBUG", logger="specdec.decoding.k_policy"):
         plan = controller.choose(limit=100)
     (record,) = caplog.records
     line = record.getMessage()
@@ -757,7 +750,7 @@ def test_each_choice_is_logged_at_debug_with_its_prices(caplog):
     predicted = [float(v) for v in line.rsplit(": ", 1)[1].split()]
     assert len(predicted) == 9 and max(predicted) == predicted[plan.k]
     caplog.clear()
-    with caplog.at_level("INFO", logger="specdec.decoding.controller"):
+    with caplog.at_level("INFO", logger="specdec.decoding.k_policy"):
         controller.choose(limit=100)
     assert not caplog.records
 

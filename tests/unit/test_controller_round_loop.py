@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from specdec import SamplingParams
-from specdec.decoding.controller import CATCHUP_STEADY_TOKENS, CostModel, KController, RoundTiming
+from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel, RoundTiming
+from specdec.decoding.k_policy import KController
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
 from specdec.models.tiny import PROMPTS
@@ -127,7 +128,7 @@ def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
 
     class _Counting(_SpyCosts):
         def observe(self, k, timing):
-            seen.append(self.in_flight)
+            seen.append(self.traffic.in_flight)
             super().observe(k, timing)
 
     costs = _Counting(engine.config.speculation)
@@ -136,7 +137,7 @@ def test_a_request_counts_in_flight_while_it_runs_and_not_after(engine):
     loop = RoundLoop(engine.transport, engine.tokenizer, request, costs, engine.config.speculation)
     asyncio.run(loop.complete())
     assert seen and set(seen) == {1}
-    assert costs.in_flight == 0
+    assert costs.traffic.in_flight == 0
 
 
 class _Rounds(_Wrapped):
@@ -214,7 +215,7 @@ class _FirstTokenAt(_Wrapped):
         self.costs, self.release_after = costs, release_after
         self.verifies = 0
         self.proposals: list[tuple[int, int]] = []  # (verifies so far, k asked)
-        costs.prefill_started()
+        costs.traffic.prefill_started()
 
     async def propose(self, request):
         self.proposals.append((self.verifies, request.num_speculative_tokens))
@@ -224,7 +225,7 @@ class _FirstTokenAt(_Wrapped):
         response = await self.inner.verify(request)
         self.verifies += 1
         if self.verifies == self.release_after:
-            self.costs.prefill_ended()
+            self.costs.traffic.prefill_ended()
         return response
 
 
@@ -249,6 +250,6 @@ def test_no_draft_starts_beside_another_requests_prefill_where_they_share_cores(
         assert drafting[0] == 1  # the first round
     else:
         assert drafting[0] == 4  # the first round after the other's first token
-    assert costs.prefills_pending == 0
+    assert costs.traffic.prefills_pending == 0
     alone = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=24), 0)
     assert completion.token_ids == alone.token_ids

@@ -8,18 +8,19 @@ import json
 import pytest
 
 from specdec.deployments.health import ModelInfoCache, readiness, watch
+from specdec.v1 import worker_pb2
 
-TARGET = {"name": "target", "context_limit": 256}
-DRAFT = {"name": "draft", "context_limit": 256}
+TARGET = worker_pb2.ReplicaInfo(name="target", context_limit=256)
+DRAFT = worker_pb2.ReplicaInfo(name="draft", context_limit=256)
 
 
 class FakeDeployment:
     """model_info of a deployment: answers `info` once `up`, after `delay_s`; raises while down."""
 
-    def __init__(self, info: dict, up: bool = True, delay_s: float = 0.0) -> None:
+    def __init__(self, info: worker_pb2.ReplicaInfo, up: bool = True, delay_s: float = 0.0) -> None:
         self.info, self.up, self.delay_s, self.calls = info, up, delay_s, 0
 
-    async def model_info(self) -> dict:
+    async def model_info(self) -> worker_pb2.ReplicaInfo:
         self.calls += 1
         await asyncio.sleep(self.delay_s)
         if not self.up:

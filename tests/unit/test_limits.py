@@ -69,7 +69,7 @@ def test_deploy_sets_the_proxy_message_bound_from_the_app():
     pytest.importorskip("ray")
     from specdec.deployments import deploy
 
-    config = deploy.load_config(SHIPPED[0], {"max_request_bytes": 3 * 1024**2})
+    config = deploy.ServeConfig.load(SHIPPED[0], {"max_request_bytes": 3 * 1024**2})
     env = deploy.controller_options(config)["runtime_env"]["env_vars"]
     assert env[deploy.GRPC_MAX_MESSAGE_ENV] == str(3 * 1024**2)
 
@@ -83,7 +83,7 @@ def test_retryable_covers_what_a_dying_or_draining_replica_raises():
         RequestCancelledError,
     )
 
-    from specdec.deployments.router import grpc_status, retryable
+    from specdec.deployments.failures import grpc_status, retryable
 
     def rpc_error(code):
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
@@ -114,7 +114,7 @@ def test_a_call_to_a_missing_replica_ends_within_unavailable_after(monkeypatch):
     """A handle call that never answers (Serve queues it while no replica exists) is retried
     and the request gives up by unavailable_after_s, not call_timeout_s after it."""
     pytest.importorskip("ray")
-    from specdec.deployments import router
+    from specdec.deployments import failures, router
 
     class Never:
         deployment_name = "TargetModel"
@@ -133,7 +133,7 @@ def test_a_call_to_a_missing_replica_ends_within_unavailable_after(monkeypatch):
     async def run():
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(router.ServiceUnavailable):
+        with pytest.raises(failures.ServiceUnavailable):
             await transport.verify(worker_pb2.VerifyRequest())
         return loop.time() - start
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specdec import SamplingParams
-from specdec.decoding.controller import CostModel
+from specdec.decoding.costs import CostModel
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop

@@ -34,7 +34,7 @@ from forced_rounds import confidence_stop_choose
 from scipy import stats
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.decoding.controller import KController
+from specdec.decoding.k_policy import KController
 from specdec.models.tiny import save_pair
 from specdec.worker import proposer, rejection
 from specdec.worker.sampling import processed_probs

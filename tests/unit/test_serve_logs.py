@@ -48,7 +48,7 @@ def test_specdec_lines_follow_the_level_serve_set_from_the_deployments_logging_c
     try:
         serve.setLevel(logging.DEBUG)  # logging_config: {log_level: DEBUG}
         route_specdec_logs()
-        logging.getLogger("specdec.decoding.controller").debug("k=4 of 12")
+        logging.getLogger("specdec.decoding.k_policy").debug("k=4 of 12")
         serve.setLevel(logging.WARNING)
         route_specdec_logs()
         logging.getLogger("specdec.device.calibration").info("dropped at WARNING")
