@@ -171,7 +171,7 @@ def predicted_bound(stats: SpeculationStats, costs: StepCosts | None) -> Bound |
         catch-up_j       = (1 - acc_{j-1}) * draft(1) + acc_{j-1} * draft(2)
         bound            = tokens per round * t_plain_step / (sum_j n_j cost(j) / rounds)
 
-    as the round loop runs (specdec.decoding.controller): the draft's catch-up forward over the
+    as the round loop runs (specdec.decoding.costs): the draft's catch-up forward over the
     1 committed token its cache lacks (2 after a full acceptance; acc_{j-1} stands in for the
     share of j-token rounds accepted in full) gives the first draft token, j - 1 one-position
     steps the rest, and the target verifies the pending token plus the j drafts in one forward
