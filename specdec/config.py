@@ -17,6 +17,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import logging
 import math
 import os
 import re
@@ -30,21 +31,24 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 # The Serve application's name: the route prefix of the HTTP API, the gRPC `application`
 # metadata, and the name the deploy and the tools look the application up by.
 APPLICATION = "specdec"
 
-MODEL_DTYPES = (
-    "auto",
-    "float32",
-    "float32+wm",
-    "float32+dnnl",
-    "float32+bf16w",
-    "bfloat16",
-    "bfloat16+dnnl",
-    "float16",
-    "int8",
-)
+AUTO = "auto"  # a dtype or GEMM the replica chooses by measurement
+PLAIN = "plain"  # PyTorch's own F.linear
+MODEL_DTYPES = (AUTO, "float32", "bfloat16", "float16", "int8")
+MODEL_GEMMS = (AUTO, PLAIN, "wm", "dnnl", "bf16w")
+# The GEMMs (specdec.device.gemm) each dtype runs; `auto` measures those the device has.
+DTYPE_GEMMS = {
+    "float32": (PLAIN, "wm", "dnnl", "bf16w"),
+    "bfloat16": (PLAIN, "dnnl"),
+    "float16": (PLAIN,),
+    "int8": (PLAIN,),
+}
+CPU_ONLY = ("int8", "dnnl", "bf16w")  # the dtypes and GEMMs that run on a CPU only
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -80,23 +84,35 @@ class ModelConfig(_Section):
 
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
-    `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
-    oneDNN's reordered weights; CPU only), `float32+bf16w` (float32 arithmetic on weights
-    stored in bfloat16, for models whose weights are bfloat16 values, like the bundled pair;
-    x86-64 CPU with AVX2 and a C++ compiler; all three in specdec.device.gemm), `bfloat16`,
-    `bfloat16+dnnl` (CPU with AVX-512 or AVX-NE-CONVERT only), `float16` or `int8` (CPU only).
-    `auto` (the shipped configs' choice): each replica measures its forward cost by width in
-    every candidate dtype at start-up (float32, bfloat16, each `+dnnl` and `float32+bf16w`
-    where the CPU has it on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU
-    target also `float32+wm`) and runs in the fastest one whose target output stays exact
-    and, for the target, whose prefill (the time to first token) is within 10% of the fastest
+    `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
+    replica measures its forward cost by width in every candidate dtype at start-up (float32
+    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8), each with
+    the GEMMs `gemm` allows, and runs in the fastest one whose target output stays exact and,
+    for the target, whose prefill (the time to first token) is within 10% of the fastest
     candidate's (specdec.device.calibration; GetModelInfo reports what it measured). A bundled
     model is stored once in bfloat16 (float16 has its own conversion) and loaded from there in
-    any dtype."""
+    any dtype. The old form that named dtype and GEMM in one string (`float32+dnnl`) is still
+    read as the two settings (`dtype: float32`, `gemm: dnnl`), with a warning."""
+
+    gemm: str | None = None
+    """How the target's linear layers compute (specdec.device.gemm), and the draft's unless
+    `draft_dtype` or `draft_gemm` is set: `plain` (PyTorch's F.linear), `wm` (float32 only:
+    weight-major GEMMs for 2-64 rows), `dnnl` (float32, or bfloat16 on a CPU with AVX-512 or
+    AVX-NE-CONVERT; CPU only: oneDNN on weights reordered once), `bf16w` (float32 only, CPU
+    only: float32 arithmetic on weights stored in bfloat16, for models whose weights are
+    bfloat16 values, like the bundled pair; x86-64 with AVX2 and a C++ compiler), or `auto`:
+    the replica measures every GEMM its device has for the dtype (on a CPU, float32's `dnnl`
+    and `bf16w` and a target's `wm`, bfloat16's `dnnl`) with the dtypes `dtype` allows, and
+    keeps the fastest exact one as for `dtype: auto`. Null: `auto` where `dtype` is `auto`,
+    else `plain`. With `dtype: auto` only `auto` or `plain`: a fixed GEMM runs fixed dtypes."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
     (`int8` halves a CPU draft step) changes speed, never the output."""
+
+    draft_gemm: str | None = None
+    """The draft's GEMM, as `gemm` (null: `gemm` where `draft_dtype` is null too, else as a
+    null `gemm` is for `draft_dtype`)."""
 
     device: str = "cpu"
     """Where both models run: `cpu`, `cuda`, `cuda:N` (or `mps`, `xpu`)."""
@@ -154,29 +170,41 @@ class ModelConfig(_Section):
             return self.draft_model, self.draft_dtype or self.dtype
         return self.target_model, self.dtype
 
+    def gemm_for(self, side: str) -> str:
+        """The GEMM setting of the "draft" or "target" side, its null resolved: `auto`,
+        `plain`, `wm`, `dnnl` or `bf16w`."""
+        if side == "draft" and self.draft_gemm is not None:
+            return self.draft_gemm
+        if side == "draft" and self.draft_dtype is not None:
+            return default_gemm(self.draft_dtype)
+        return self.gemm if self.gemm is not None else default_gemm(self.dtype)
+
     def _check(self) -> None:
         for name in ("draft_model", "target_model"):
             _require(name, getattr(self, name) != "", "must not be empty")
-        for name in ("dtype", "draft_dtype"):
-            value = getattr(self, name)
-            _require(
-                name,
-                value is None or value in MODEL_DTYPES,
-                f"must be one of {list(MODEL_DTYPES)}, got {value!r}",
-            )
+        for dtype_name, gemm_name in _DTYPE_AND_GEMM.values():
+            self._read_combined(dtype_name, gemm_name)
         _require(
             "device",
             _DEVICE.fullmatch(self.device) is not None,
             f"must be cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
         )
-        if not self.device.startswith("cpu"):
-            for name in ("dtype", "draft_dtype"):
+        for side, (dtype_name, gemm_name) in _DTYPE_AND_GEMM.items():
+            for name, allowed in ((dtype_name, MODEL_DTYPES), (gemm_name, MODEL_GEMMS)):
                 value = getattr(self, name)
                 _require(
                     name,
-                    value not in ("int8", "float32+dnnl", "float32+bf16w", "bfloat16+dnnl"),
+                    value is None or value in allowed,
+                    f"must be one of {list(allowed)}, got {value!r}",
+                )
+                _require(
+                    name,
+                    self.device.startswith("cpu") or value not in CPU_ONLY,
                     f"{value} runs on the CPU only, device is {self.device!r}",
                 )
+            # the GEMM setting the side's GEMM comes from (a null one is valid with any dtype)
+            named = gemm_name if getattr(self, gemm_name) is not None else "gemm"
+            _check_pair(named, self.for_side(side)[1], self.gemm_for(side))
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
         _at_least("max_batch_size", self.max_batch_size, 1)
@@ -186,6 +214,35 @@ class ModelConfig(_Section):
             0 <= self.batch_wait_fraction <= 1,
             f"must be within [0, 1], got {self.batch_wait_fraction}",
         )
+
+    def _read_combined(self, dtype_name: str, gemm_name: str) -> None:
+        """Reads the old combined form of a dtype setting (``float32+dnnl``) as the dtype and
+        GEMM settings it stands for, and warns naming them."""
+        value = getattr(self, dtype_name)
+        if value is None or "+" not in value:
+            return
+        dtype, _, gemm = value.partition("+")
+        combined = [f"{d}+{g}" for d, gemms in DTYPE_GEMMS.items() for g in gemms if g != PLAIN]
+        _require(
+            dtype_name,
+            value in combined,
+            f"must be one of {list(MODEL_DTYPES)} (or, deprecated, {combined}), got {value!r}",
+        )
+        _require(
+            dtype_name,
+            self.device.startswith("cpu") or gemm not in CPU_ONLY,
+            f"{value} runs on the CPU only, device is {self.device!r}",
+        )
+        given = getattr(self, gemm_name)
+        _require(
+            gemm_name,
+            given in (None, gemm),
+            f"{dtype_name} {value!r} names the GEMM {gemm!r} already, got {given!r}",
+        )
+        new = f"{dtype_name}: {dtype} and {gemm_name}: {gemm}"
+        log.warning("%s: %s is deprecated: write %s", dtype_name, value, new)
+        object.__setattr__(self, dtype_name, dtype)
+        object.__setattr__(self, gemm_name, gemm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +480,21 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
     words = _TYPE_WORDS[base] + (" or null" if optional else "")
     _require(name, fits, f"must be {words}, got {value!r} ({type(value).__name__})")
     return value
+
+
+_DTYPE_AND_GEMM = {"target": ("dtype", "gemm"), "draft": ("draft_dtype", "draft_gemm")}
+
+
+def default_gemm(dtype: str) -> str:
+    """What a null GEMM setting means for ``dtype``: `auto` for `auto`, else `plain`."""
+    return AUTO if dtype == AUTO else PLAIN
+
+
+def _check_pair(name: str, dtype: str, gemm: str) -> None:
+    """Raises ConfigError naming the GEMM setting ``name`` unless ``gemm`` runs ``dtype`` (a
+    fixed GEMM runs fixed dtypes: with `auto`, only `auto` or `plain`)."""
+    runs = [AUTO, PLAIN] if dtype == AUTO else [AUTO, *DTYPE_GEMMS[dtype]]
+    _require(name, gemm in runs, f"must be one of {runs} with dtype {dtype}, got {gemm!r}")
 
 
 def _require(name: str, ok: bool, message: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.decoding.controller import CostPrior
-from specdec.device.calibration import ExactWidths
+from specdec.device.calibration.results import ExactWidths
 
 
 def cost_prior(
