@@ -30,10 +30,10 @@ GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeDeploySchema:
     """Parses and validates a Serve config; ``overrides`` update the specdec app's args.
 
-    A ``dtype`` override is the target's: where neither the overrides nor the config set
-    ``draft_dtype``, the draft keeps the config's ``dtype`` or its default: ``--dtype bfloat16``
-    on the shipped ``dtype: auto`` leaves the draft measuring its own (int8 on a CPU) instead of
-    following the target into bfloat16.
+    A ``dtype`` or ``gemm`` override is the target's: where neither the overrides nor the config
+    set ``draft_dtype`` (``draft_gemm``), the draft keeps the dtype and GEMM the config gives it:
+    ``--dtype bfloat16`` on the shipped ``dtype: auto`` leaves the draft measuring its own (int8
+    on a CPU) instead of following the target into bfloat16.
 
     Raises:
         FileNotFoundError, pydantic.ValidationError (with the offending field).
@@ -42,8 +42,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Se
     for app in raw.get("applications", []):
         if app.get("name") == APPLICATION and overrides:
             args = app.setdefault("args", {})
-            if "dtype" in overrides and "draft_dtype" not in overrides:
-                args.setdefault("draft_dtype", args.get("dtype", ModelConfig().dtype))
+            if {"dtype", "gemm"} & set(overrides) and "draft_dtype" not in overrides:
+                keys = ("dtype", "gemm", "draft_dtype", "draft_gemm")
+                models = ModelConfig(**{key: args[key] for key in keys if key in args})
+                args.setdefault("draft_dtype", models.for_side("draft")[1])
+                if "draft_gemm" not in overrides:
+                    args.setdefault("draft_gemm", models.gemm_for("draft"))
             args.update(overrides)
     return ServeDeploySchema.model_validate(raw)
 

@@ -12,7 +12,7 @@ from specdec.config import SpecdecConfig
 from specdec.deployments.batching import BatchSizer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
-from specdec.device.calibration import load_calibrated
+from specdec.device.calibration.load import load_calibrated
 from specdec.device.calibration_cache import CalibrationCache
 from specdec.v1 import worker_pb2
 from specdec.worker.info import replica_info
@@ -55,13 +55,14 @@ class ModelReplica:
             model,
             side,
             self._dtype,
+            gemm=config.models.gemm_for(side),
             device=device,
             max_speculative_tokens=config.speculation.max_speculative_tokens,
             exact_widths=config.models.fixed_shape_verify is not False,
             max_batch_size=config.models.max_batch_size,
             cache=CalibrationCache.configured(config.models.calibration_cache),
         ).result()
-        self._dtype = self.calibration.dtype
+        self._dtype = str(self.calibration.candidate)
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()
         self._info = replica_info(self.side, config)
         self._metrics = ReplicaMetrics()

@@ -4,8 +4,8 @@ The Serve application's flat ``args`` (deployments/config/*.yaml) become a Specd
 SpecdecConfig.from_args, SpeculativeEngine's keyword arguments through SpecdecConfig.of; the
 round loop, proposer, verifier, router and deployments read that object and repeat no default.
 Every default lives here only, with its unit and meaning in the docstring under the field.
-docs/configuration.md, the configuration reference, is generated from those docstrings (``python
--m specdec.config --write``), and tests/unit/test_config.py fails when the two drift.
+docs/configuration.md, the configuration reference, is generated from those docstrings (``python -m
+specdec.config_reference --write``), and tests/unit/test_config.py fails when the two drift.
 
 This module imports neither Ray nor torch: the CLI and the deploy code parse a config without
 loading a model.
@@ -13,38 +13,36 @@ loading a model.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
+import logging
 import math
 import os
 import re
-import sys
-import textwrap
 import types
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from specdec.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # The Serve application's name: the route prefix of the HTTP API, the gRPC `application`
 # metadata, and the name the deploy and the tools look the application up by.
 APPLICATION = "specdec"
 
-MODEL_DTYPES = (
-    "auto",
-    "float32",
-    "float32+wm",
-    "float32+dnnl",
-    "float32+bf16w",
-    "bfloat16",
-    "bfloat16+dnnl",
-    "float16",
-    "int8",
-)
+AUTO = "auto"  # a dtype or GEMM the replica chooses by measurement
+PLAIN = "plain"  # PyTorch's own F.linear
+MODEL_DTYPES = (AUTO, "float32", "bfloat16", "float16", "int8")
+MODEL_GEMMS = (AUTO, PLAIN, "wm", "dnnl", "bf16w")
+# The GEMMs (specdec.device.gemm) each dtype runs; `auto` measures those the device has.
+DTYPE_GEMMS = {
+    "float32": (PLAIN, "wm", "dnnl", "bf16w"),
+    "bfloat16": (PLAIN, "dnnl"),
+    "float16": (PLAIN,),
+    "int8": (PLAIN,),
+}
+CPU_ONLY = ("int8", "dnnl", "bf16w")  # the dtypes and GEMMs that run on a CPU only
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -80,23 +78,35 @@ class ModelConfig(_Section):
 
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
-    `float32+wm` (float32 with weight-major GEMMs for 2-64 rows), `float32+dnnl` (float32 on
-    oneDNN's reordered weights; CPU only), `float32+bf16w` (float32 arithmetic on weights
-    stored in bfloat16, for models whose weights are bfloat16 values, like the bundled pair;
-    x86-64 CPU with AVX2 and a C++ compiler; all three in specdec.device.gemm), `bfloat16`,
-    `bfloat16+dnnl` (CPU with AVX-512 or AVX-NE-CONVERT only), `float16` or `int8` (CPU only).
-    `auto` (the shipped configs' choice): each replica measures its forward cost by width in
-    every candidate dtype at start-up (float32, bfloat16, each `+dnnl` and `float32+bf16w`
-    where the CPU has it on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8, a CPU
-    target also `float32+wm`) and runs in the fastest one whose target output stays exact
-    and, for the target, whose prefill (the time to first token) is within 10% of the fastest
+    `bfloat16`, `float16` or `int8` (CPU only). `auto` (the shipped configs' choice): each
+    replica measures its forward cost by width in every candidate dtype at start-up (float32
+    and bfloat16 on a CPU, bfloat16 and float16 on a GPU; a CPU draft also int8), each with
+    the GEMMs `gemm` allows, and runs in the fastest one whose target output stays exact and,
+    for the target, whose prefill (the time to first token) is within 10% of the fastest
     candidate's (specdec.device.calibration; GetModelInfo reports what it measured). A bundled
     model is stored once in bfloat16 (float16 has its own conversion) and loaded from there in
-    any dtype."""
+    any dtype. The old form that named dtype and GEMM in one string (`float32+dnnl`) is still
+    read as the two settings (`dtype: float32`, `gemm: dnnl`), with a warning."""
+
+    gemm: str | None = None
+    """How the target's linear layers compute (specdec.device.gemm), and the draft's unless
+    `draft_dtype` or `draft_gemm` is set: `plain` (PyTorch's F.linear), `wm` (float32 only:
+    weight-major GEMMs for 2-64 rows), `dnnl` (float32, or bfloat16 on a CPU with AVX-512 or
+    AVX-NE-CONVERT; CPU only: oneDNN on weights reordered once), `bf16w` (float32 only, CPU
+    only: float32 arithmetic on weights stored in bfloat16, for models whose weights are
+    bfloat16 values, like the bundled pair; x86-64 with AVX2 and a C++ compiler), or `auto`:
+    the replica measures every GEMM its device has for the dtype (on a CPU, float32's `dnnl`
+    and `bf16w` and a target's `wm`, bfloat16's `dnnl`) with the dtypes `dtype` allows, and
+    keeps the fastest exact one as for `dtype: auto`. Null: `auto` where `dtype` is `auto`,
+    else `plain`. With `dtype: auto` only `auto` or `plain`: a fixed GEMM runs fixed dtypes."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
     (`int8` halves a CPU draft step) changes speed, never the output."""
+
+    draft_gemm: str | None = None
+    """The draft's GEMM, as `gemm` (null: `gemm` where `draft_dtype` is null too, else as a
+    null `gemm` is for `draft_dtype`)."""
 
     device: str = "cpu"
     """Where both models run: `cpu`, `cuda`, `cuda:N` (or `mps`, `xpu`)."""
@@ -154,29 +164,41 @@ class ModelConfig(_Section):
             return self.draft_model, self.draft_dtype or self.dtype
         return self.target_model, self.dtype
 
+    def gemm_for(self, side: str) -> str:
+        """The GEMM setting of the "draft" or "target" side, its null resolved: `auto`,
+        `plain`, `wm`, `dnnl` or `bf16w`."""
+        if side == "draft" and self.draft_gemm is not None:
+            return self.draft_gemm
+        if side == "draft" and self.draft_dtype is not None:
+            return default_gemm(self.draft_dtype)
+        return self.gemm if self.gemm is not None else default_gemm(self.dtype)
+
     def _check(self) -> None:
         for name in ("draft_model", "target_model"):
             _require(name, getattr(self, name) != "", "must not be empty")
-        for name in ("dtype", "draft_dtype"):
-            value = getattr(self, name)
-            _require(
-                name,
-                value is None or value in MODEL_DTYPES,
-                f"must be one of {list(MODEL_DTYPES)}, got {value!r}",
-            )
+        for dtype_name, gemm_name in _DTYPE_AND_GEMM.values():
+            self._read_combined(dtype_name, gemm_name)
         _require(
             "device",
             _DEVICE.fullmatch(self.device) is not None,
             f"must be cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
         )
-        if not self.device.startswith("cpu"):
-            for name in ("dtype", "draft_dtype"):
+        for side, (dtype_name, gemm_name) in _DTYPE_AND_GEMM.items():
+            for name, allowed in ((dtype_name, MODEL_DTYPES), (gemm_name, MODEL_GEMMS)):
                 value = getattr(self, name)
                 _require(
                     name,
-                    value not in ("int8", "float32+dnnl", "float32+bf16w", "bfloat16+dnnl"),
+                    value is None or value in allowed,
+                    f"must be one of {list(allowed)}, got {value!r}",
+                )
+                _require(
+                    name,
+                    self.device.startswith("cpu") or value not in CPU_ONLY,
                     f"{value} runs on the CPU only, device is {self.device!r}",
                 )
+            # the GEMM setting the side's GEMM comes from (a null one is valid with any dtype)
+            named = gemm_name if getattr(self, gemm_name) is not None else "gemm"
+            _check_pair(named, self.for_side(side)[1], self.gemm_for(side))
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
         _at_least("max_batch_size", self.max_batch_size, 1)
@@ -186,6 +208,35 @@ class ModelConfig(_Section):
             0 <= self.batch_wait_fraction <= 1,
             f"must be within [0, 1], got {self.batch_wait_fraction}",
         )
+
+    def _read_combined(self, dtype_name: str, gemm_name: str) -> None:
+        """Reads the old combined form of a dtype setting (``float32+dnnl``) as the dtype and
+        GEMM settings it stands for, and warns naming them."""
+        value = getattr(self, dtype_name)
+        if value is None or "+" not in value:
+            return
+        dtype, _, gemm = value.partition("+")
+        combined = [f"{d}+{g}" for d, gemms in DTYPE_GEMMS.items() for g in gemms if g != PLAIN]
+        _require(
+            dtype_name,
+            value in combined,
+            f"must be one of {list(MODEL_DTYPES)} (or, deprecated, {combined}), got {value!r}",
+        )
+        _require(
+            dtype_name,
+            self.device.startswith("cpu") or gemm not in CPU_ONLY,
+            f"{value} runs on the CPU only, device is {self.device!r}",
+        )
+        given = getattr(self, gemm_name)
+        _require(
+            gemm_name,
+            given in (None, gemm),
+            f"{dtype_name} {value!r} names the GEMM {gemm!r} already, got {given!r}",
+        )
+        new = f"{dtype_name}: {dtype} and {gemm_name}: {gemm}"
+        log.warning("%s: %s is deprecated: write %s", dtype_name, value, new)
+        object.__setattr__(self, dtype_name, dtype)
+        object.__setattr__(self, gemm_name, gemm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +377,7 @@ class SpecdecConfig:
     service: ServiceConfig = dataclasses.field(default_factory=ServiceConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in _SECTIONS.items():
+        for name, cls in SECTIONS.items():
             value = getattr(self, name)
             _require(name, isinstance(value, cls), f"must be a {cls.__name__}, got {value!r}")
 
@@ -366,7 +417,7 @@ class SpecdecConfig:
         if config is None:
             config = cls()
         elif not isinstance(config, cls):
-            name = next((n for n, c in _SECTIONS.items() if isinstance(config, c)), None)
+            name = next((n for n, c in SECTIONS.items() if isinstance(config, c)), None)
             _require("config", name is not None, f"must be a config object, got {config!r}")
             config = cls(**{name: config})
         return config.with_settings(**settings) if settings else config
@@ -384,7 +435,7 @@ class SpecdecConfig:
                 unknown[0], f"unknown setting{others}; known: {', '.join(_SECTION_OF)}"
             )
         changed = {}
-        for name in _SECTIONS:
+        for name in SECTIONS:
             own = {k: v for k, v in settings.items() if _SECTION_OF[k] == name}
             if own:
                 changed[name] = dataclasses.replace(getattr(self, name), **own)
@@ -394,16 +445,16 @@ class SpecdecConfig:
         """The flat settings, as from_args reads them."""
         return {
             field.name: getattr(getattr(self, section), field.name)
-            for section, cls in _SECTIONS.items()
+            for section, cls in SECTIONS.items()
             for field in dataclasses.fields(cls)
         }
 
 
-_SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[_Section]] = {
     field.name: field.default_factory for field in dataclasses.fields(SpecdecConfig)
 }
 _SECTION_OF: dict[str, str] = {
-    field.name: section for section, cls in _SECTIONS.items() for field in dataclasses.fields(cls)
+    field.name: section for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)
 }
 
 
@@ -425,6 +476,21 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
+_DTYPE_AND_GEMM = {"target": ("dtype", "gemm"), "draft": ("draft_dtype", "draft_gemm")}
+
+
+def default_gemm(dtype: str) -> str:
+    """What a null GEMM setting means for ``dtype``: `auto` for `auto`, else `plain`."""
+    return AUTO if dtype == AUTO else PLAIN
+
+
+def _check_pair(name: str, dtype: str, gemm: str) -> None:
+    """Raises ConfigError naming the GEMM setting ``name`` unless ``gemm`` runs ``dtype`` (a
+    fixed GEMM runs fixed dtypes: with `auto`, only `auto` or `plain`)."""
+    runs = [AUTO, PLAIN] if dtype == AUTO else [AUTO, *DTYPE_GEMMS[dtype]]
+    _require(name, gemm in runs, f"must be one of {runs} with dtype {dtype}, got {gemm!r}")
+
+
 def _require(name: str, ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(name, message)
@@ -432,103 +498,3 @@ def _require(name: str, ok: bool, message: str) -> None:
 
 def _at_least(name: str, value: int, low: int) -> None:
     _require(name, value >= low, f"must be at least {low}, got {value}")
-
-
-# The configuration reference (docs/configuration.md), generated from the docstrings above.
-
-REFERENCE = "docs/configuration.md"  # where `python -m specdec.config --write` writes it
-README_START = "<!-- config-reference:start -->"
-README_END = "<!-- config-reference:end -->"
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field name: the docstring under it, on one line} of a config class, read from source.
-
-    Raises:
-        ValueError: a field without a docstring.
-    """
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
-    if missing:
-        raise ValueError(f"{cls.__name__}: no docstring under {missing}")
-    return docs
-
-
-def reference_markdown() -> str:
-    """The configuration reference: one table per concern (setting, default, meaning)."""
-    intro = (
-        "Generated from `specdec/config.py` by `python -m specdec.config`. Each setting is a key "
-        "of the Serve application's `args` (`deployments/config/*.yaml`) and a keyword argument "
-        "of `SpeculativeEngine.from_pretrained` (in one process, of the `service` settings only "
-        "`draft_retry_s` has an effect). A bad value or an unknown key stops the application at "
-        "start-up with a message that starts with the setting's name."
-    )
-    parts = [textwrap.fill(intro, width=100, break_on_hyphens=False)]
-    for section, cls in _SECTIONS.items():
-        title = inspect.getdoc(cls).split(":", 1)[1].strip().rstrip(".")
-        rows = [
-            f"### `{section}` ({cls.__name__}): {title}",
-            "",
-            "| setting | default | meaning |",
-            "|---|---|---|",
-        ]
-        docs = field_docs(cls)
-        for field in dataclasses.fields(cls):
-            meaning = docs[field.name].replace("|", "\\|")
-            rows.append(f"| `{field.name}` | `{_yaml(field.default)}` | {meaning} |")
-        parts.append("\n".join(rows))
-    return "\n\n".join(parts) + "\n"
-
-
-def render_readme(text: str) -> str:
-    """``text`` (docs/configuration.md) with the reference between its markers replaced by
-    reference_markdown().
-
-    Raises:
-        ValueError: the markers are missing.
-    """
-    start, end = text.find(README_START), text.find(README_END)
-    if start < 0 or end < start:
-        raise ValueError(f"the README lacks {README_START} ... {README_END}")
-    return text[: start + len(README_START)] + "\n" + reference_markdown() + text[end:]
-
-
-def _yaml(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Prints the reference; ``--write`` replaces the marked section of REFERENCE (default
-    docs/configuration.md, relative to the working directory: run it from the repository root)."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.config", description=main.__doc__)
-    parser.add_argument(
-        "--write",
-        nargs="?",
-        const=REFERENCE,
-        metavar="REFERENCE",
-        help=f"update this file's marked section (default {REFERENCE})",
-    )
-    args = parser.parse_args(argv)
-    if not args.write:
-        sys.stdout.write(reference_markdown())
-        return 0
-    path = Path(args.write)
-    path.write_text(render_readme(path.read_text()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

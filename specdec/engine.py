@@ -17,7 +17,8 @@ from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_r
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.stopping import Delta
-from specdec.device.calibration import Calibration, load_calibrated
+from specdec.device.calibration.load import load_calibrated
+from specdec.device.calibration.results import Calibration
 from specdec.device.calibration_cache import CalibrationCache
 from specdec.models.loading import LoadedModel, check_same_tokenizer
 from specdec.v1 import worker_pb2
@@ -161,7 +162,7 @@ class SpeculativeEngine:
         config: SpeculationConfig | SpecdecConfig | None = None,
         **settings: Any,
     ) -> SpeculativeEngine:
-        """Loads both models offline (specdec.device.calibration.load_calibrated; the
+        """Loads both models offline (specdec.device.calibration.load.load_calibrated; the
         constructor checks that they share a tokenizer) in the config's ``dtype``,
         ``draft_dtype`` (e.g. "int8": a CPU draft about twice as fast; "auto": the fastest
         measured on this device) and ``device``, and builds the engine; ``config`` and
@@ -183,6 +184,7 @@ class SpeculativeEngine:
                 spec,
                 side,
                 dtype,
+                gemm=models.gemm_for(side),
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 exact_widths=models.fixed_shape_verify is not False,

@@ -98,7 +98,7 @@ class StepCosts:
         """Seconds of one verify over ``rows`` positions, padded as the verifier pads."""
         if not self.exact_widths:
             return _cost(self.verify_forward_s, rows)
-        from specdec.device.calibration import ExactWidths
+        from specdec.device.calibration.results import ExactWidths
 
         return ExactWidths(self.exact_widths, self.verify_forward_s).rows_seconds(rows)
 

@@ -8,11 +8,11 @@ what speculation can gain on a device, and on CPUs it depends on the path far mo
 arithmetic: this prints, per row count, the float32 (or --dtype) call of
 
 - ``F.linear``: what transformers runs (MKL's sgemm on a CPU);
-- ``weight-major``: (W @ x^T)^T, the calibration candidate ``float32+wm`` (specdec.device.gemm);
+- ``weight-major``: (W @ x^T)^T, the calibration's GEMM ``wm`` (specdec.device.gemm);
 - ``onednn-packed``: oneDNN's inner product on a weight reordered once for the call's row count
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
   freezing emits), skipped where this torch build lacks the ops;
-- ``bf16-weights``: float32 arithmetic on the weight stored in bfloat16 (``float32+bf16w``,
+- ``bf16-weights``: float32 arithmetic on the weight stored in bfloat16 (the GEMM ``bf16w``,
   specdec.device.bf16_weights), for a float32 weight where that kernel is available.
 
 and whether each path's rows equal F.linear's bitwise. The weights are bfloat16 values (as in a

@@ -71,18 +71,22 @@ def candidate_dtypes(device: str, gemms: bool = False) -> list[str]:
     dtypes = ["float32", "bfloat16"]
     if not gemms:
         return dtypes
-    from specdec.device.gemm import bf16_weights_candidate, onednn_candidate
+    from specdec.device.calibration.candidates import bf16_weights_candidates, onednn_candidates
 
-    return dtypes + [c for d in dtypes for c in onednn_candidate(d)] + bf16_weights_candidate()
+    switched = [*(c for d in dtypes for c in onednn_candidates(d)), *bf16_weights_candidates()]
+    return dtypes + [str(c) for c in switched]
 
 
 def dtype_bytes(candidate: str) -> int:
     """Bytes a weight takes once loaded as ``candidate`` ("bfloat16+dnnl" and "float32+bf16w":
     bfloat16's 2)."""
-    from specdec.device.gemm import BF16_WEIGHTS, split_candidate
+    from specdec.device.calibration.candidates import Candidate
+    from specdec.device.gemm import BF16_WEIGHTS
 
-    base, gemm = split_candidate(candidate)
-    return DTYPE_BYTES["bfloat16"] if gemm == BF16_WEIGHTS else DTYPE_BYTES.get(base, 4)
+    parsed = Candidate.parse(candidate)
+    if parsed.gemm == BF16_WEIGHTS:
+        return DTYPE_BYTES["bfloat16"]
+    return DTYPE_BYTES.get(parsed.dtype, 4)
 
 
 def predicted_request_s(seconds: float, ttft_s: float, tokens: int, max_new_tokens: int) -> float:
@@ -223,12 +227,13 @@ def load_as(spec: str, candidate: str, device: str, rows_hint: int = 1):
     Raises:
         ModelLoadError: as load_model; ValueError: as set_gemm.
     """
-    from specdec.device.gemm import set_gemm, split_candidate
+    from specdec.device.calibration.candidates import Candidate
+    from specdec.device.gemm import set_gemm
     from specdec.models.loading import load_model
 
-    base, gemm = split_candidate(candidate)
-    loaded = load_model(spec, dtype=base, device=device)
-    set_gemm(loaded.model, gemm, rows_hint)
+    parsed = Candidate.parse(candidate)
+    loaded = load_model(spec, dtype=parsed.dtype, device=device)
+    set_gemm(loaded.model, parsed.gemm, rows_hint)
     return loaded
 
 

@@ -8,7 +8,7 @@ ReplicaInfo (specdec.worker.info); the router combines the two sides' tables wit
 from __future__ import annotations
 
 from specdec.config import SpecdecConfig
-from specdec.device.calibration import Calibration, ExactWidths
+from specdec.device.calibration.results import Calibration, ExactWidths
 from specdec.v1 import worker_pb2
 
 

@@ -10,7 +10,7 @@ bundled Qwen pair: 2 of 12 HumanEval prompts diverged from target-only within 10
 
 Three things make every decode-time position see exactly the same arithmetic, in any dtype:
 
-1. Exact widths (measure_width_classes, chosen by specdec.device.calibration): a GEMM kernel
+1. Exact widths (measure_exact_width_sets, chosen by specdec.device.calibration): a GEMM kernel
    picks its code path by the number of rows, so a row's result can depend on how many rows
    share the call (one 2-core AVX-512 CPU's float32 GEMM rounds a 1-row call one way, 2-15 rows
    another, 16 or more a third) and even on where the row sits (the tiny test target's
@@ -49,7 +49,7 @@ CALIBRATION_PREFIX_TOKENS = 16  # cache length the calibration forwards extend
 # logits, 0.40 per row, 7.1e-7 per unit; random rows through single layers, 1-row against
 # 2-row calls, gave 3-4e-6 (bundled) and 1.5-8e-6 (tiny target), before the logits absorb some.
 HALF_PRECISION_SPLIT_RATE = 5e-7
-HALF_PRECISION_MISMATCHES = 10.0  # expected differences a split class must show: misses e^-10
+HALF_PRECISION_MISMATCHES = 10.0  # expected differences a split set must show: misses e^-10
 
 
 def row_wise_attention(
@@ -109,7 +109,7 @@ def use_row_wise_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(ROW_WISE_ATTENTION)
 
 
-def measure_width_classes(
+def measure_exact_width_sets(
     model: torch.nn.Module,
     max_width: int,
     *,
@@ -121,9 +121,9 @@ def measure_width_classes(
 
     Every distinct linear layer (the GEMMs, where kernels pick a code path by the number of rows
     and split rows between threads) is called on the same random rows at every width; two
-    widths share a class when every row they share came out bitwise equal, in every trial. A
-    width whose rows also change when the rows are permuted within the call (a row's result
-    depends on where it sits) belongs to no class. Each layer gets enough trials to compare
+    widths share an exact-width set when every row they share came out bitwise equal, in every
+    trial. A width whose rows also change when the rows are permuted within the call (a row's
+    result depends on where it sits) belongs to no set. Each layer gets enough trials to compare
     about ``elements`` outputs per width (at most ``max_trials``, at least one): a rounding
     difference flips a bfloat16 output in about one element in 10^4, so a small layer needs
     thousands of trials while a real vocabulary's lm_head shows it in one. The count is fixed
@@ -134,7 +134,7 @@ def measure_width_classes(
         max_width: the widest forward measured, in positions.
         generator: the source of the random rows.
     Returns:
-        Classes as ascending lists of widths, in order of their smallest width.
+        Exact-width sets as ascending lists of widths, in order of their smallest width.
     """
     layers: dict[tuple, torch.nn.Linear] = {}
     for module in model.modules():
@@ -149,14 +149,14 @@ def measure_width_classes(
         trials = min(max_trials, max(1, -(-elements // (layer.out_features * max_width))))
         for _ in range(trials):
             _compare_widths(layer, max_width, generator, same, invariant)
-    classes: list[list[int]] = []
+    sets: list[list[int]] = []
     for width in (w for w in widths if invariant[w]):
-        home = next((c for c in classes if all(same[(m, width)] for m in c)), None)
+        home = next((s for s in sets if all(same[(m, width)] for m in s)), None)
         if home is None:
-            classes.append([width])
+            sets.append([width])
         else:
             home.append(width)
-    return classes
+    return sets
 
 
 @torch.inference_mode()
@@ -167,7 +167,7 @@ def _compare_widths(
     same: dict[tuple[int, int], bool],
     invariant: dict[int, bool],
 ) -> None:
-    """One trial of measure_width_classes on one layer; clears the flags it disproves."""
+    """One trial of measure_exact_width_sets on one layer; clears the flags it disproves."""
     weight = layer.weight
     rows = torch.randn(1, max_width, layer.in_features, generator=generator)
     rows = rows.to(dtype=weight.dtype, device=weight.device)
@@ -202,14 +202,14 @@ def whole_forward_exact(
     blocks and splits until about ``elements`` logits were compared (at most ``max_trials``,
     at least one trial).
 
-    Trial t's first piece is exactly the t-th narrower width of the class (cycling, smallest
+    Trial t's first piece is exactly the t-th narrower width of the set (cycling, smallest
     first), so even a single trial compares the smallest width with the widest: a random split
-    of a (1, 2) class into one 2-token piece compared nothing (the bundled bfloat16 target
+    of a (1, 2) set into one 2-token piece compared nothing (the bundled bfloat16 target
     passed that way on an AVX-512 BF16 EPYC, where its 1-row forward differs).
 
     Then, with ``rows_per_width``, every narrower width w compares at least that many rows
     computed in forwards of w rows: blocks cut into pieces of w tokens (half_precision_rows
-    sizes it, since a half-precision class split shows in few outputs).
+    sizes it, since a half-precision set split shows in few outputs).
     """
     device = model.device
     prefix = torch.randint(vocab_size, (1, CALIBRATION_PREFIX_TOKENS), generator=generator)
@@ -223,7 +223,7 @@ def whole_forward_exact(
     for trial in range(min(max_trials, max(1, -(-elements // (vocab_size * widest))))):
 
         def random_piece(start: int, trial: int = trial) -> int:
-            # A random split, so rows move to other places and other widths of the class.
+            # A random split, so rows move to other places and other widths of the set.
             real = int(torch.randint(1, widest - start + 1, (1,), generator=generator))
             if start == 0 and narrower:
                 real = narrower[trial % len(narrower)]
@@ -243,10 +243,10 @@ def whole_forward_exact(
 def half_precision_rows(
     model: torch.nn.Module, mismatches: float = HALF_PRECISION_MISMATCHES
 ) -> int:
-    """Rows each narrower width of a half-precision class must compute in whole_forward_exact
-    (rows_per_width) for a class that two GEMM paths split to show, on average, ``mismatches``
-    differing outputs in the linear layer least likely to show one (a split in that layer
-    alone would then go unseen with probability about exp(-mismatches)).
+    """Rows each narrower width of a half-precision exact-width set must compute in
+    whole_forward_exact (rows_per_width) for a set that two GEMM paths split to show, on
+    average, ``mismatches`` differing outputs in the linear layer least likely to show one (a
+    split in that layer alone would then go unseen with probability about exp(-mismatches)).
 
     A half-precision output keeps 8 (bfloat16) or 11 (float16) bits of the float32
     accumulator, so two paths whose accumulators differ in the last float32 bits give different

@@ -1,4 +1,4 @@
-"""Which GEMM a linear layer runs: a start-up calibration candidate.
+"""Which GEMM a linear layer runs: one half of a start-up calibration candidate.
 
 ``F.linear`` computes x @ W^T. On CPUs the BLAS picks its code path by the shape, and for a
 handful of rows that path is far from flat: one 2-core AVX-512 Xeon's float32 MLP projection of
@@ -6,11 +6,14 @@ Qwen2.5-1.5B (8960 x 1536) took 1.2 ms at 1-3 rows, 2.7 ms at 4, 7.0 ms at 13 an
 A verify forward is exactly such a handful of rows, so a CPU target's calibration
 (specdec.device.calibration) also measures two other ways to compute the same product, and
 keeps the fastest that stays exact (which widths give a row bitwise the same result is measured
-with the chosen GEMM, like everything else):
+with the chosen GEMM, like everything else). Each GEMM's name is its value of the ``gemm``
+setting (specdec.config); a calibration candidate pairs one with a dtype
+(specdec.device.calibration.candidates):
 
-- ``float32+wm`` (weight-major): W @ x^T for 2 .. WEIGHT_MAJOR_MAX_ROWS rows, F.linear
+- ``plain``: F.linear.
+- ``wm`` (weight-major, float32): W @ x^T for 2 .. WEIGHT_MAJOR_MAX_ROWS rows, F.linear
   otherwise. The Xeon above: 3.0-3.9 ms at every width 2-16.
-- ``float32+dnnl``: oneDNN's inner product on a weight reordered once into its blocked layout
+- ``dnnl`` in float32: oneDNN's inner product on a weight reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what inductor's CPU
   freezing emits), for every call. On a 2-core AVX2 EPYC (`python -m specdec.bench.gemm_bench
   --layers 1`) the projection took 3.9 ms at 1 row and 6.3 ms at 13 against F.linear's 5.2 and
@@ -18,17 +21,17 @@ with the chosen GEMM, like everything else):
   rows against 343-397 ms. The reordered weight replaces the plain one (same bytes), except
   where another module shares it (a tied lm_head keeps the embedding's and adds its reordered
   copy).
-- ``bfloat16+dnnl``: the same in bfloat16, where oneDNN has a bfloat16 inner product for the CPU
+- ``dnnl`` in bfloat16: the same, where oneDNN has a bfloat16 inner product for the CPU
   (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; onednn_available says). F.linear's bfloat16 path reads
   the plain weight on every call. On a 2-core AVX-512 BF16 EPYC, one layer's MLP of
   Qwen2.5-1.5B (28 distinct layers in turn, so the weights come from memory) took 2.0 ms at 1-4
   rows and 2.5 ms at 13 against F.linear's 3.0 and 3.7, with bitwise the same outputs; a
   128-row prefill 14.6 ms against 18.2.
-- ``float32+bf16w``: float32 arithmetic on weights stored in bfloat16 (specdec.device.bf16_weights,
-  x86-64 with AVX2 and FMA), for a model whose every weight is a bfloat16 (a bundled model's
-  are), so it is the float32 model reading half the bytes, and every width rounds a row the
-  same way. Where oneDNN has no bfloat16 (an AVX2-only CPU) it is the cheapest exact way to run
-  a few rows; the numbers are in that module.
+- ``bf16w`` (float32): float32 arithmetic on weights stored in bfloat16
+  (specdec.device.bf16_weights, x86-64 with AVX2 and FMA), for a model whose every weight is a
+  bfloat16 (a bundled model's are), so it is the float32 model reading half the bytes, and
+  every width rounds a row the same way. Where oneDNN has no bfloat16 (an AVX2-only CPU) it
+  is the cheapest exact way to run a few rows; the numbers are in that module.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ import torch.nn.functional as F
 
 from specdec.device import bf16_weights
 
-WEIGHT_MAJOR = "+wm"  # the suffix of a candidate whose linear layers run W @ x^T
-ONEDNN = "+dnnl"  # the suffix of a candidate whose linear layers run oneDNN on reordered weights
-BF16_WEIGHTS = "+bf16w"  # the suffix of a float32 candidate whose weights are stored in bfloat16
+PLAIN = "plain"  # F.linear
+WEIGHT_MAJOR = "wm"  # linear layers run W @ x^T
+ONEDNN = "dnnl"  # linear layers run oneDNN on reordered weights
+BF16_WEIGHTS = "bf16w"  # float32 linear layers on weights stored in bfloat16
 PACKED = (ONEDNN, BF16_WEIGHTS)  # the GEMMs that replace the plain weight with their own copy
-GEMMS = ("", WEIGHT_MAJOR, *PACKED)
+GEMMS = (PLAIN, WEIGHT_MAJOR, *PACKED)
 WEIGHT_MAJOR_MAX_ROWS = 64  # wider calls (prefills) keep F.linear, which is as fast there
 
 
@@ -64,18 +68,6 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def onednn_candidate(base: str) -> list[str]:
-    """[base + ONEDNN] ("float32+dnnl", "bfloat16+dnnl") where onednn_available(base), else []:
-    the oneDNN calibration candidate of a dtype, for the lists that include it."""
-    return [base + ONEDNN] if onednn_available(getattr(torch, base)) else []
-
-
-def bf16_weights_candidate() -> list[str]:
-    """["float32+bf16w"] where bf16_weights.available(), else []. A model whose weights are not
-    all bfloat16 values still refuses it (set_gemm), which calibration reports as skipped."""
-    return ["float32" + BF16_WEIGHTS] if bf16_weights.available() else []
-
-
 def onednn_reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout for calls of about ``rows_hint`` rows (an
     opaque tensor: only onednn_linear and ``to_dense()`` read it)."""
@@ -90,12 +82,12 @@ def onednn_linear(
 
 
 class SwitchableLinear(torch.nn.Linear):
-    """An nn.Linear whose product runs the GEMM ``gemm`` names: "" (F.linear), "+wm" (2 ..
-    WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T), "+dnnl" (oneDNN on ``packed``, the weight
-    reordered) or "+bf16w" (bf16_weights.linear on ``packed``, the weight in bfloat16 in the
+    """An nn.Linear whose product runs the GEMM ``gemm`` names: "plain" (F.linear), "wm" (2 ..
+    WEIGHT_MAJOR_MAX_ROWS rows as (W @ x^T)^T), "dnnl" (oneDNN on ``packed``, the weight
+    reordered) or "bf16w" (bf16_weights.linear on ``packed``, the weight in bfloat16 in the
     kernel's layout). Same parameters, same output shape [..., out_features]."""
 
-    gemm = ""
+    gemm = PLAIN
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,11 +134,11 @@ class SwitchableLinear(torch.nn.Linear):
 def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
     """Runs the model's linear layers on ``gemm`` (one of GEMMS), in place.
 
-    Any gemm but "" first makes every plain nn.Linear a SwitchableLinear (same parameters);
-    "" never changes a class, so a model that never switched keeps plain nn.Linear layers (which
+    Any gemm but PLAIN first makes every plain nn.Linear a SwitchableLinear (same parameters);
+    PLAIN never changes a class, so a model that never switched keeps plain nn.Linear layers (which
     dynamic int8 quantization recognises by type). Quantized and other Linear subclasses are
     left alone. A model in ONEDNN holds reordered weights, which cannot be deep-copied: switch
-    back to "" first.
+    back to PLAIN first.
 
     Args:
         rows_hint: the row count ONEDNN's reorder is tuned for (a target: k_max + 1).
@@ -167,7 +159,7 @@ def set_gemm(model: torch.nn.Module, gemm: str, rows_hint: int = 1) -> None:
         _check_bf16_weights(model, dtype)
     holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
-        if gemm and type(module) is torch.nn.Linear:
+        if gemm != PLAIN and type(module) is torch.nn.Linear:
             module.__class__ = SwitchableLinear
         if isinstance(module, SwitchableLinear):
             module.use(gemm, rows_hint, shared=holders[id(module.weight)] > 1)
@@ -191,12 +183,3 @@ def _check_bf16_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
                     f"{BF16_WEIGHTS}: {name}.weight has values that are not bfloat16, so "
                     "storing it in bfloat16 would change the model"
                 )
-
-
-def split_candidate(candidate: str) -> tuple[str, str]:
-    """("float32", "+wm") for "float32+wm", ("bfloat16", "") for "bfloat16": the dtype and
-    the GEMM suffix."""
-    for suffix in (WEIGHT_MAJOR, *PACKED):
-        if candidate.endswith(suffix):
-            return candidate.removesuffix(suffix), suffix
-    return candidate, ""

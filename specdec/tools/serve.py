@@ -9,7 +9,7 @@ from specdec.config import APPLICATION
 from specdec.tools.args import DEFAULT_CONFIG, config_path
 
 # parsed-args attributes (--draft-model ...) that override the application arg of the same name
-OVERRIDES = ("draft_model", "target_model", "dtype", "draft_dtype")
+OVERRIDES = ("draft_model", "target_model", "dtype", "gemm", "draft_dtype", "draft_gemm")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +25,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-model", help="override the config's target_model")
     parser.add_argument(
         "--dtype",
-        help="override the config's dtype for the target; the draft keeps the config's "
-        "draft_dtype, or else its dtype",
+        help="override the config's dtype for the target (auto, float32, bfloat16, float16, "
+        "int8); the draft keeps the config's draft_dtype, or else its dtype",
+    )
+    parser.add_argument(
+        "--gemm",
+        help="override the config's gemm for the target (auto, plain, wm, dnnl, bf16w); the "
+        "draft keeps the GEMM the config gives it",
     )
     parser.add_argument("--draft-dtype", help="override the config's draft_dtype (e.g. int8)")
+    parser.add_argument("--draft-gemm", help="override the config's draft_gemm")
 
 
 def main(args: argparse.Namespace) -> int:

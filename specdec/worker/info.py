@@ -16,7 +16,7 @@ def replica_info(side: SessionModel, config: SpecdecConfig) -> worker_pb2.Replic
     loaded, calibration = side.loaded, side.calibration
     info = worker_pb2.ReplicaInfo(
         name=loaded.name,
-        dtype=calibration.dtype if calibration is not None else "",
+        dtype=str(calibration.candidate) if calibration is not None else "",
         vocab_size=loaded.vocab_size,
         context_limit=loaded.context_limit,
         eos_token_ids=sorted(loaded.eos_token_ids),

@@ -8,8 +8,8 @@ the whole sequence. Committed sequences only grow, so a committed length identif
 exactly, and the rebuilt cache gives the same output as the lost one.
 
 Bytes are the storages the key and value tensors really hold, not their sizes: transformers'
-``DynamicCache.crop`` slices, so after the verifier crops rejected drafts and the padding of a
-fixed-width forward a tensor is a view over a longer storage. ``commit`` copies such a tensor to
+``DynamicCache.crop`` slices, so after the verifier crops rejected drafts and the padding of an
+exact-width forward a tensor is a view over a longer storage. ``commit`` copies such a tensor to
 storage of its own size when the waste exceeds ``COMPACT_WASTE_FRACTION`` of what it keeps, and
 counts the rest as held (the next forward's ``torch.cat`` frees it anyway).
 """

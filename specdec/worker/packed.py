@@ -13,8 +13,8 @@ Exactness. A packed row goes through exactly the arithmetic it would get alone:
 - norms, rotary embeddings and activations work row by row;
 - attention is specdec.device.exact_widths's row-wise attention, per session;
 - the linear layers see more rows, which is where kernels round differently. Given the target's
-  exact widths (specdec.device.calibration.ExactWidths), the packed rows run in forwards of those
-  widths, the last padded with copies of its last row whose KV is cropped again, and the
+  exact widths (specdec.device.calibration.results.ExactWidths), the packed rows run in forwards
+  of those widths, the last padded with copies of its last row whose KV is cropped again, and the
   lm_head's rows are padded the same way. A row's logits then do not depend on which sessions
   share its forward, how many rows they bring, or where in the forward it sits.
 
@@ -32,7 +32,7 @@ import dataclasses
 import torch
 from transformers import AttentionInterface, Cache
 
-from specdec.device.calibration import ExactWidths
+from specdec.device.calibration.results import ExactWidths
 from specdec.device.exact_widths import row_wise_attention
 from specdec.worker.kv_cache import SessionEntry
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from specdec.config import SpecdecConfig
-from specdec.device.calibration import Calibration
+from specdec.device.calibration.results import Calibration
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.config import SpecdecConfig
-from specdec.device.calibration import Calibration
+from specdec.device.calibration.results import Calibration
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession, SessionCacheStore, SessionEntry

@@ -7,7 +7,9 @@ import time
 import torch
 
 from specdec.config import SpecdecConfig
-from specdec.device.calibration import Calibration, ExactWidths, calibrate
+from specdec.device.calibration.candidates import Candidate
+from specdec.device.calibration.load import calibrate
+from specdec.device.calibration.results import Calibration, ExactWidths
 from specdec.device.exact_widths import use_row_wise_attention
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
@@ -30,11 +32,11 @@ class TargetVerifier(SessionModel):
             one of the widths the device calibration found exact (``exact``), with row-wise
             attention, so a position's logits do not depend on k, and a rebuild replays the
             prompt's prefill (specdec.device.exact_widths explains why).
-        calibration: what the replica measured at start-up (specdec.device.calibration);
+        calibration: what the replica measured at start-up (specdec.device.calibration.load);
             None measures it now, in the loaded dtype.
     Attributes:
-        exact: the exact widths and their costs; None when fixed shapes are off or the device
-            has no exact class (logged).
+        exact: the exact widths and their costs; None when exact widths are off
+            (fixed_shape_verify: false) or the device has no exact-width set (logged).
     """
 
     def __init__(
@@ -44,7 +46,7 @@ class TargetVerifier(SessionModel):
             loaded, calibration = calibrate(
                 loaded,
                 "target",
-                [_dtype_name(loaded.model.dtype)],
+                [Candidate(_dtype_name(loaded.model.dtype))],
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 automatic=False,
                 exact_widths=config.models.fixed_shape_verify is not False,

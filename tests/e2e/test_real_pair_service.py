@@ -17,7 +17,7 @@ import yaml
 from local_service import LOCAL_CONFIG, free_port, serving
 
 from specdec.client import build_request
-from specdec.device.calibration import candidate_dtypes
+from specdec.device.calibration.candidates import candidates
 from specdec.models import bundled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -78,8 +78,8 @@ def test_model_info_reports_the_pair_and_its_dtypes(real_deploy):
     # Both replicas reuse what the in-process engine measured with the same settings on this
     # device (when it ran first), and measure from scratch otherwise.
     assert (target.reused, draft.reused) == (stored, stored)
-    assert [c.dtype for c in target.candidates] == candidate_dtypes("target", "cpu")
-    assert [c.dtype for c in draft.candidates] == candidate_dtypes("draft", "cpu")
+    assert [c.dtype for c in target.candidates] == [str(c) for c in candidates("target", "cpu")]
+    assert [c.dtype for c in draft.candidates] == [str(c) for c in candidates("draft", "cpu")]
     assert {"float32", "float32+wm", "bfloat16"} <= {c.dtype for c in target.candidates}
     k_max = info.max_speculative_tokens
     for candidate in target.candidates:

@@ -112,12 +112,12 @@ def calibration_record(side) -> dict:
     c = side.calibration
     return {
         "device": c.device,
-        "dtype": c.dtype,
+        "dtype": str(c.candidate),
         "seconds": c.seconds,
         "exact_widths": list(c.chosen.exact.widths) if c.chosen.exact else None,
         "candidates": [
             {
-                "dtype": m.dtype,
+                "dtype": str(m.candidate),
                 "forward_s": list(m.forward_s),
                 "prefill_s_per_token": m.prefill_s_per_token,
                 "predicted_s": m.predicted_s,

@@ -1,5 +1,5 @@
 """float32 arithmetic on bfloat16-stored weights (specdec.device.bf16_weights, the
-"float32+bf16w" GEMM): width-invariant rows, the same model, and refusals that change nothing."""
+"bf16w" GEMM): width-invariant rows, the same model, and refusals that change nothing."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import torch.nn.functional as F
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.device import bf16_weights
-from specdec.device.calibration import calibrate
+from specdec.device.calibration.candidates import Candidate
+from specdec.device.calibration.load import calibrate
 from specdec.device.gemm import (
     BF16_WEIGHTS,
+    ONEDNN,
+    PLAIN,
     WEIGHT_MAJOR,
     SwitchableLinear,
     onednn_available,
@@ -115,7 +118,7 @@ def test_switching_stores_bfloat16_and_switching_back_restores_the_weight_bitwis
     torch.testing.assert_close(alone(x), expected)
     set_gemm(model, WEIGHT_MAJOR)  # leaving it for another GEMM restores the plain weight
     assert alone.packed is None and tied.packed is None
-    set_gemm(model, "")
+    set_gemm(model, PLAIN)
     assert torch.equal(alone.weight, weight) and alone.packed is None
     assert torch.equal(alone(x), expected)
 
@@ -137,10 +140,10 @@ def test_a_weight_reordered_by_onednn_is_checked_too():
     model = _model_with_tied_head()
     with torch.no_grad():
         model[1].weight[0, 0] += 1e-4
-    set_gemm(model, "+dnnl", rows_hint=4)  # frees the plain weight: the check reads the reorder
+    set_gemm(model, ONEDNN, rows_hint=4)  # frees the plain weight: the check reads the reorder
     with pytest.raises(ValueError, match=r"1\.weight has values that are not bfloat16"):
         set_gemm(model, BF16_WEIGHTS)
-    assert model[1].gemm == "+dnnl"
+    assert model[1].gemm == ONEDNN
 
 
 def test_calibration_skips_it_for_a_float32_checkpoint_and_refuses_it_configured(tiny_pair, caplog):
@@ -149,17 +152,17 @@ def test_calibration_skips_it_for_a_float32_checkpoint_and_refuses_it_configured
         _, calibration = calibrate(
             loaded,
             "target",
-            ["float32", "float32" + BF16_WEIGHTS],
+            [Candidate("float32"), Candidate("float32", BF16_WEIGHTS)],
             max_speculative_tokens=2,
             automatic=True,
         )
-    assert [c.dtype for c in calibration.candidates] == ["float32"]
+    assert [str(c.candidate) for c in calibration.candidates] == ["float32"]
     assert "float32+bf16w: skipped" in caplog.text and "not bfloat16" in caplog.text
     with pytest.raises(ValueError, match="not bfloat16"):
         calibrate(
             loaded,
             "target",
-            ["float32" + BF16_WEIGHTS],
+            [Candidate("float32", BF16_WEIGHTS)],
             max_speculative_tokens=2,
             automatic=False,
         )
@@ -171,7 +174,7 @@ def test_a_bfloat16_checkpoint_runs_the_float32_model(tiny_pair_bf16):
     float32 rounding, not bitwise). Its own exactness at every k: test_gemm's SWITCHED."""
     draft, target = tiny_pair_bf16
     plain = SpeculativeEngine.from_pretrained(draft, target, dtype="float32")
-    switched = SpeculativeEngine.from_pretrained(draft, target, dtype="float32+bf16w")
+    switched = SpeculativeEngine.from_pretrained(draft, target, dtype="float32", gemm="bf16w")
     linears = [m for m in switched.target.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.gemm == BF16_WEIGHTS for m in linears)
     assert switched.transport.verifier.calibration.chosen.exact is not None

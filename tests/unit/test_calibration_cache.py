@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from specdec import SpeculativeEngine
-from specdec.device import bf16_weights, calibration, calibration_cache
-from specdec.device.calibration import load_calibrated
+from specdec.device import bf16_weights, calibration_cache
+from specdec.device.calibration import host, load, measure
+from specdec.device.calibration.candidates import Candidate
+from specdec.device.calibration.load import load_calibrated
 from specdec.device.calibration_cache import CACHE_ENV, DEFAULT_DIR, CalibrationCache
 from specdec.device.exact_widths import ROW_WISE_ATTENTION
 from specdec.models.loading import load_model
@@ -30,13 +33,13 @@ def _load(path, cache, role="target", dtype="float32", k=3):
 @pytest.fixture
 def measurements(monkeypatch):
     """How many times calibrate() measured."""
-    real, calls = calibration.calibrate, []
+    real, calls = load.calibrate, []
 
     def counted(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(calibration, "calibrate", counted)
+    monkeypatch.setattr(load, "calibrate", counted)
     return calls
 
 
@@ -57,6 +60,12 @@ def test_a_stored_calibration_is_reused_as_measured(tiny_pair, tmp_path, measure
     message = specdec_pb2.DeviceCalibration()
     reused.to_proto(message)
     assert message.reused and message.dtype == "float32"
+    # the entry on disk keeps FORMAT 2's layout: candidates in their display form
+    (entry,) = tmp_path.glob("*.json")
+    stored = json.loads(entry.read_text())
+    assert stored["dtype"] == "float32" and [c["dtype"] for c in stored["candidates"]] == [
+        "float32"
+    ]
     (chosen,) = [c for c in message.candidates if c.dtype == message.dtype]
     assert chosen.prefill_s_per_token == reused.chosen.prefill_s_per_token > 0
 
@@ -71,12 +80,12 @@ def test_a_replica_that_waited_for_the_lock_reuses_what_the_other_stored(
     key = cache.key(
         load_model(str(tiny_pair[1]), dtype="float32").model,
         "target",
-        ["float32"],
+        [Candidate("float32")],
         device="cpu",
         max_speculative_tokens=3,
         exact_widths=True,
     )
-    real_lock = calibration._one_at_a_time
+    real_lock = load.one_at_a_time
 
     @contextlib.contextmanager
     def other_replica_measures_meanwhile(device):
@@ -84,7 +93,7 @@ def test_a_replica_that_waited_for_the_lock_reuses_what_the_other_stored(
             cache.save(key, first)  # what the replica holding the lock stored before releasing
             yield
 
-    monkeypatch.setattr(calibration, "_one_at_a_time", other_replica_measures_meanwhile)
+    monkeypatch.setattr(load, "one_at_a_time", other_replica_measures_meanwhile)
     measurements.clear()
     _, second = _load(tiny_pair[1], cache)
     assert measurements == []
@@ -95,21 +104,21 @@ def test_a_replica_loads_beside_others_but_never_while_one_measures(tmp_path, mo
     """Loading a model and checking a stored calibration take the cores for seconds: replicas
     may do it together (a shared hold of the host's lock), but only once no replica on the host
     is measuring (an exclusive hold), whose timings it would otherwise slow."""
-    monkeypatch.setattr(calibration.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(host.tempfile, "gettempdir", lambda: str(tmp_path))
     loaded = threading.Event()
 
-    def load() -> None:
-        with calibration._while_none_measures("cpu"):
+    def load_model_meanwhile() -> None:
+        with host.while_none_measures("cpu"):
             loaded.set()
 
-    with calibration._while_none_measures("cpu"):
-        other = threading.Thread(target=load)
+    with host.while_none_measures("cpu"):
+        other = threading.Thread(target=load_model_meanwhile)
         other.start()
         assert loaded.wait(10), "a second load waited for the first"
     other.join()
     loaded.clear()
-    with calibration._one_at_a_time("cpu"):
-        other = threading.Thread(target=load)
+    with host.one_at_a_time("cpu"):
+        other = threading.Thread(target=load_model_meanwhile)
         other.start()
         assert not loaded.wait(0.5), "a load ran while a replica measured"
     assert loaded.wait(10)
@@ -120,18 +129,18 @@ def test_an_automatic_choice_is_reused_in_its_dtype(tiny_pair, tmp_path, measure
     cache = CalibrationCache(tmp_path)
     _, measured = _load(tiny_pair[0], cache, role="draft", dtype="auto")
     model, reused = _load(tiny_pair[0], cache, role="draft", dtype="auto")
-    assert measurements == ["draft"] and reused.dtype == measured.dtype
+    assert measurements == ["draft"] and reused.candidate == measured.candidate
     assert len(measured.candidates) > 1 and reused.candidates == measured.candidates
-    if reused.dtype == "int8":
+    if reused.candidate.dtype == "int8":
         assert not any(isinstance(m, torch.nn.Linear) for m in model.model.model.modules())
     else:
-        assert model.model.dtype == getattr(torch, reused.dtype.split("+")[0])
+        assert model.model.dtype == getattr(torch, reused.candidate.dtype)
 
 
 def test_a_failed_exactness_check_measures_again(tiny_pair, tmp_path, measurements, monkeypatch):
     cache = CalibrationCache(tmp_path)
     _load(tiny_pair[1], cache)
-    monkeypatch.setattr(calibration, "whole_forward_exact", lambda *args, **kwargs: False)
+    monkeypatch.setattr(load, "whole_forward_exact", lambda *args, **kwargs: False)
     _, again = _load(tiny_pair[1], cache)
     assert measurements == ["target", "target"] and not again.reused
 
@@ -161,6 +170,7 @@ def test_the_key_holds_what_decides_a_calibration(tiny_pair, tmp_path, monkeypat
 
     def key(**changes):
         settings = {"role": "target", "dtypes": ["float32"], "max_speculative_tokens": 3}
+        settings["dtypes"] = [Candidate.parse(c) for c in changes.pop("dtypes", settings["dtypes"])]
         settings.update(changes)
         return cache.key(
             model, settings.pop("role"), settings.pop("dtypes"), device="cpu",
@@ -178,15 +188,15 @@ def test_the_key_holds_what_decides_a_calibration(tiny_pair, tmp_path, monkeypat
     # Other weights, same architecture: the same calibration (costs and roundings follow shapes).
     other_dir = save_pair(tmp_path / "other", noise=0.05, pad_vocab=7, seed=5)[1]
     assert cache.key(
-        load_model(str(other_dir)).model, "target", ["float32"], device="cpu",
+        load_model(str(other_dir)).model, "target", [Candidate("float32")], device="cpu",
         max_speculative_tokens=3, exact_widths=True,
     ) == base  # fmt: skip
     wider = save_pair(tmp_path / "wide", noise=0.05, pad_vocab=8)[1]
     assert cache.key(
-        load_model(str(wider)).model, "target", ["float32"], device="cpu",
+        load_model(str(wider)).model, "target", [Candidate("float32")], device="cpu",
         max_speculative_tokens=3, exact_widths=True,
     ) != base  # fmt: skip
-    monkeypatch.setattr(calibration, "TIMING_REPEATS", calibration.TIMING_REPEATS + 1)
+    monkeypatch.setattr(measure, "TIMING_REPEATS", measure.TIMING_REPEATS + 1)
     assert key() != base
     monkeypatch.undo()
     assert key() == base
@@ -222,3 +232,22 @@ def test_an_engine_from_a_reused_calibration_stays_exact(tiny_pair, tmp_path, me
         out = second.generate(prompt, num_speculative_tokens=k)
         assert out.token_ids == target_only.token_ids
         assert out.logprobs == target_only.logprobs
+
+
+def test_the_key_names_the_measurements_constants_as_format_2_did():
+    """Entries stored before the calibration was split into modules keep their keys: the same
+    constant names (PRICED_ACCEPTANCES under its old name) and candidates in their display form."""
+    assert list(calibration_cache._SETTINGS) == [
+        "CACHE_TOKENS",
+        "PREFILL_TOKENS",
+        "TYPICAL_PROMPT_TOKENS",
+        "TYPICAL_NEW_TOKENS",
+        "CLASS_ACCEPTANCES",
+        "DRAFT_WIDTHS",
+        "EXTRA_WIDTHS",
+        "SLOWER_CUTOFF",
+        "CHOICE_MARGIN",
+        "PREFILL_MARGIN",
+        "TIMING_REPEATS",
+    ]
+    assert calibration_cache.FORMAT == 2

@@ -1,5 +1,6 @@
-"""How the start-up calibration times candidates (specdec.device.calibration): repeated passes,
-and candidates cut short once a few widths show they cannot win."""
+"""How the start-up calibration times candidates (specdec.device.calibration.measure) and
+chooses among them (choice): repeated passes, and candidates cut short once a few widths show
+they cannot win."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import math
 import pytest
 import torch
 
-from specdec.device import calibration
+from specdec.device.calibration import choice, measure
+from specdec.device.calibration.candidates import Candidate
+from specdec.device.calibration.load import calibrate
+from specdec.device.calibration.results import DtypeMeasurement, ExactWidths
 from specdec.models.loading import load_model
+
+FLOAT32, BFLOAT16 = Candidate("float32"), Candidate("bfloat16")
 
 
 def test_unmeasured_widths_are_linear_between_measured_ones():
-    assert calibration._interpolated({1: 1.0, 4: 4.0, 8: 2.0}, 8) == [
+    assert measure._interpolated({1: 1.0, 4: 4.0, 8: 2.0}, 8) == [
         1.0, 2.0, 3.0, 4.0, 3.5, 3.0, 2.5, 2.0
     ]  # fmt: skip
 
@@ -36,9 +42,9 @@ def test_each_cost_is_the_minimum_of_its_passes(tiny_pair, monkeypatch):
         return 10.0 * width + (5.0 if calls[width] % 2 else 0.0)
 
     monkeypatch.setattr(loaded.model, "forward", counting_forward)
-    monkeypatch.setattr(calibration, "_timed", fake_timed)
-    _, result = calibration.calibrate(
-        loaded, "target", ["float32"], max_speculative_tokens=3, automatic=False,
+    monkeypatch.setattr(measure, "_timed", fake_timed)
+    _, result = calibrate(
+        loaded, "target", [FLOAT32], max_speculative_tokens=3, automatic=False,
         exact_widths=False,
     )  # fmt: skip
     widths = range(1, len(result.chosen.forward_s) + 1)
@@ -50,28 +56,28 @@ def _prefills_timed(monkeypatch, float32_s: float, bfloat16_s: float) -> None:
     """Each prefill forward runs, but is timed ``bfloat16_s`` in a bfloat16 model and
     ``float32_s`` otherwise: real prefill timings of a tiny model put either dtype up to 2x
     ahead, which decides whether PREFILL_MARGIN rules the float32 rival out."""
-    real_prefill = calibration._timed_prefill
+    real_prefill = measure._timed_prefill
 
     def fake_prefill(model, ids):
         _, cache = real_prefill(model, ids)
         return (bfloat16_s if model.dtype == torch.bfloat16 else float32_s), cache
 
-    monkeypatch.setattr(calibration, "_timed_prefill", fake_prefill)
+    monkeypatch.setattr(measure, "_timed_prefill", fake_prefill)
 
 
 def test_a_candidate_predicted_slower_is_cut_short(tiny_pair, monkeypatch):
-    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)  # every later candidate is hopeless
+    monkeypatch.setattr(choice, "SLOWER_CUTOFF", 0.0)  # every later candidate is hopeless
     _prefills_timed(monkeypatch, float32_s=1.0, bfloat16_s=1.0)
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    _, result = calibration.calibrate(
-        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
+    _, result = calibrate(
+        loaded, "target", [FLOAT32, BFLOAT16], max_speculative_tokens=4, automatic=True
     )
     first, cut = result.candidates
     assert first.exact is not None and cut.exact is None  # no exactness measurement either
     costs = cut.forward_s  # measured at 1, 2, 4, 8 and the widest (9); 3 and 5-7 interpolated
     assert costs[2] == pytest.approx((costs[1] + costs[3]) / 2)
     assert costs[5] == pytest.approx((costs[3] * 2 + costs[7] * 2) / 4)
-    assert result.dtype == "float32"
+    assert result.candidate == FLOAT32
 
 
 def test_a_target_candidate_that_prefills_too_slowly_to_be_chosen_is_cut_short(
@@ -80,17 +86,17 @@ def test_a_target_candidate_that_prefills_too_slowly_to_be_chosen_is_cut_short(
     """However fast its decode forwards (no candidate is hopeless by SLOWER_CUTOFF here), a
     target candidate prefilling more than PREFILL_MARGIN slower than a usable rival could not
     be chosen, so it gets neither its full costs nor an exactness measurement."""
-    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", math.inf)
-    _prefills_timed(monkeypatch, float32_s=1.0, bfloat16_s=1.0 + 2 * calibration.PREFILL_MARGIN)
+    monkeypatch.setattr(choice, "SLOWER_CUTOFF", math.inf)
+    _prefills_timed(monkeypatch, float32_s=1.0, bfloat16_s=1.0 + 2 * choice.PREFILL_MARGIN)
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    _, result = calibration.calibrate(
-        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
+    _, result = calibrate(
+        loaded, "target", [FLOAT32, BFLOAT16], max_speculative_tokens=4, automatic=True
     )
     first, cut = result.candidates
     assert first.exact is not None and cut.exact is None
     costs = cut.forward_s  # measured at 1, 2, 4, 8 and the widest (9); 3 interpolated
     assert costs[2] == pytest.approx((costs[1] + costs[3]) / 2)
-    assert result.dtype == "float32"
+    assert result.candidate == FLOAT32
 
 
 # The bundled target in bfloat16 on the 2-core AMX Xeon: ms of one forward of w positions over a
@@ -105,47 +111,47 @@ def test_one_exact_width_is_priced_for_the_batches_the_replica_runs():
     drafts in one forward, not three."""
     k_max = 12
     known = sorted(AMX_BFLOAT16_MS)
-    costs = calibration._interpolated(
-        {w: AMX_BFLOAT16_MS[w] / 1000 for w in known}, k_max + 1 + calibration.EXTRA_WIDTHS
+    costs = measure._interpolated(
+        {w: AMX_BFLOAT16_MS[w] / 1000 for w in known}, k_max + 1 + measure.EXTRA_WIDTHS
     )
 
     def best_width(max_batch_size: int) -> int:
         return min(
             range(1, len(costs) + 1),
-            key=lambda w: calibration._seconds_per_token(
-                calibration.ExactWidths((w,), tuple(costs)), k_max, max_batch_size
+            key=lambda w: choice.seconds_per_token(
+                ExactWidths((w,), tuple(costs)), k_max, max_batch_size
             ),
         )
 
-    assert calibration._batch_loads(1) == [1]
-    assert calibration._batch_loads(8) == [1, 2, 4, 8]
-    assert calibration._batch_loads(6) == [1, 2, 4, 6]
+    assert choice.batch_loads(1) == [1]
+    assert choice.batch_loads(8) == [1, 2, 4, 8]
+    assert choice.batch_loads(6) == [1, 2, 4, 6]
     lone, batched = best_width(1), best_width(8)
     assert lone < 8  # 8 plain rows take two forwards
     assert batched >= 8
-    one = calibration.ExactWidths((lone,), tuple(costs))
+    one = ExactWidths((lone,), tuple(costs))
     assert one.rows_seconds(8) == pytest.approx(2 * costs[lone - 1])
 
 
 def _measured(dtype: str, predicted_s: float, prefill_s_per_token: float):
-    exact = calibration.ExactWidths((1,), (1.0,))
-    return calibration.DtypeMeasurement(dtype, (1.0,), prefill_s_per_token, exact, predicted_s)
+    exact = ExactWidths((1,), (1.0,))
+    return DtypeMeasurement(Candidate.parse(dtype), (1.0,), prefill_s_per_token, exact, predicted_s)
 
 
 def test_a_target_is_not_chosen_for_throughput_at_the_cost_of_its_time_to_first_token():
     """The AVX-512 BF16 EPYC's case: float32+dnnl predicted faster per request, bfloat16
     prefilling 28% faster. A candidate prefilling more than PREFILL_MARGIN slower than the
     fastest one is passed over; when every usable one is, the fastest prediction wins again."""
-    margin = 1 + calibration.PREFILL_MARGIN
+    margin = 1 + choice.PREFILL_MARGIN
     dnnl = (_measured("float32+dnnl", 10.5, 0.0113), "float32+dnnl")
     bf16 = (_measured("bfloat16", 12.1, 0.0081), "bfloat16")
-    assert calibration._choose([dnnl, bf16])[1] == "float32+dnnl"  # no bound: the draft's rule
-    assert calibration._choose([dnnl, bf16], 0.0081)[1] == "bfloat16"
+    assert choice.choose([dnnl, bf16])[1] == "float32+dnnl"  # no bound: the draft's rule
+    assert choice.choose([dnnl, bf16], 0.0081)[1] == "bfloat16"
     within = (_measured("float32+dnnl", 10.5, 0.0081 * margin * 0.99), "float32+dnnl")
-    assert calibration._choose([within, bf16], 0.0081)[1] == "float32+dnnl"
+    assert choice.choose([within, bf16], 0.0081)[1] == "float32+dnnl"
     # The floor may come from a candidate that is not usable (no exact widths): then the
     # fastest-predicted usable one is kept rather than none.
-    assert calibration._choose([dnnl, bf16], 0.0050)[1] == "float32+dnnl"
+    assert choice.choose([dnnl, bf16], 0.0050)[1] == "float32+dnnl"
 
 
 def test_the_rival_a_candidate_must_beat_prefills_within_the_margin_of_the_fastest():
@@ -153,10 +159,10 @@ def test_the_rival_a_candidate_must_beat_prefills_within_the_margin_of_the_faste
     slow = _measured("float32", 30.0, 0.0300)
     unusable = dataclasses.replace(_measured("float32+wm", 9.0, 0.0113), exact=None)
     done = [dnnl, slow, unusable]
-    assert calibration._rival(done, 0.0300, needs_exact=True, ttft=True) is dnnl
-    assert calibration._rival(done, 0.0081, needs_exact=True, ttft=True) is None
-    assert calibration._rival(done, 0.0081, needs_exact=True, ttft=False) is dnnl
-    assert calibration._rival(done, 0.0081, needs_exact=False, ttft=False) is unusable
+    assert choice.rival(done, 0.0300, needs_exact=True, ttft=True) is dnnl
+    assert choice.rival(done, 0.0081, needs_exact=True, ttft=True) is None
+    assert choice.rival(done, 0.0081, needs_exact=True, ttft=False) is dnnl
+    assert choice.rival(done, 0.0081, needs_exact=False, ttft=False) is unusable
 
 
 def test_a_candidate_that_prefills_much_faster_is_measured_in_full_and_chosen(
@@ -166,13 +172,13 @@ def test_a_candidate_that_prefills_much_faster_is_measured_in_full_and_chosen(
     with no exact widths, and float32 kept), but bfloat16's prefill is timed 10x faster than
     float32's: the float32 rival does not count against it, so it is measured in full and
     chosen."""
-    monkeypatch.setattr(calibration, "SLOWER_CUTOFF", 0.0)
+    monkeypatch.setattr(choice, "SLOWER_CUTOFF", 0.0)
     _prefills_timed(monkeypatch, float32_s=10.0, bfloat16_s=1.0)
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    model, result = calibration.calibrate(
-        loaded, "target", ["float32", "bfloat16"], max_speculative_tokens=4, automatic=True
+    model, result = calibrate(
+        loaded, "target", [FLOAT32, BFLOAT16], max_speculative_tokens=4, automatic=True
     )
     first, later = result.candidates
     assert later.exact is not None
     assert later.prefill_s_per_token * 10 == first.prefill_s_per_token
-    assert result.dtype == "bfloat16" and model.model.dtype == torch.bfloat16
+    assert result.candidate == BFLOAT16 and model.model.dtype == torch.bfloat16

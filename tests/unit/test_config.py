@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import pickle
 import subprocess
@@ -20,9 +21,8 @@ from specdec.config import (
     ServiceConfig,
     SpecdecConfig,
     SpeculationConfig,
-    field_docs,
-    render_readme,
 )
+from specdec.config_reference import REFERENCE, field_docs, render_reference
 from specdec.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,10 +36,10 @@ def _app_args(path: Path) -> dict:
 
 
 def test_the_configuration_reference_is_the_generated_one():
-    reference = (ROOT / config_module.REFERENCE).read_text()
-    assert render_readme(reference) == reference, (
-        f"{config_module.REFERENCE} differs from specdec/config.py: run "
-        "`python -m specdec.config --write`"
+    reference = (ROOT / REFERENCE).read_text()
+    assert render_reference(reference) == reference, (
+        f"{REFERENCE} differs from specdec/config.py: run "
+        "`python -m specdec.config_reference --write`"
     )
 
 
@@ -107,6 +107,11 @@ BAD = [
     ("dtype", "fp8"),
     ("dtype", None),
     ("draft_dtype", "int4"),
+    ("dtype", "float32+blas"),
+    ("dtype", "float16+dnnl"),  # not one of the old combined values either
+    ("gemm", "blas"),
+    ("gemm", "+dnnl"),
+    ("draft_gemm", 3),
     ("device", "gpu"),
     ("device", "cuda:x"),
     ("cache_capacity_bytes", 0),
@@ -209,12 +214,107 @@ def test_each_side_loads_its_model_in_its_dtype():
 
 
 def test_the_dtype_names_are_the_ones_the_loader_accepts():
-    from specdec.device.calibration import AUTO
-    from specdec.device.gemm import BF16_WEIGHTS, ONEDNN, WEIGHT_MAJOR
+    from specdec.config import AUTO
+    from specdec.device.calibration.candidates import Candidate
+    from specdec.device.gemm import BF16_WEIGHTS, GEMMS, ONEDNN, WEIGHT_MAJOR
     from specdec.models.loading import DTYPES, INT8
 
-    gemms = {"float32" + g for g in (WEIGHT_MAJOR, ONEDNN, BF16_WEIGHTS)} | {"bfloat16" + ONEDNN}
-    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO} | gemms
+    assert set(config_module.MODEL_DTYPES) == set(DTYPES) | {INT8, AUTO}
+    assert set(config_module.MODEL_GEMMS) == set(GEMMS) | {AUTO}
+    assert set(config_module.DTYPE_GEMMS) == set(DTYPES) | {INT8}
+    # every (dtype, GEMM) pair a setting may name is one the old combined dtype named
+    gemms = {"float32+" + g for g in (WEIGHT_MAJOR, ONEDNN, BF16_WEIGHTS)} | {"bfloat16+" + ONEDNN}
+    pairs = {str(Candidate(d, g)) for d, runs in config_module.DTYPE_GEMMS.items() for g in runs}
+    assert pairs == set(DTYPES) | {INT8} | gemms
+
+
+# Every value the combined dtype took: the (dtype, gemm) settings it now reads as, and the
+# (dtype, gemm) each side runs: exactly the old string's.
+OLD_DTYPES = {
+    "auto": ("auto", "auto"),
+    "float32": ("float32", "plain"),
+    "float32+wm": ("float32", "wm"),
+    "float32+dnnl": ("float32", "dnnl"),
+    "float32+bf16w": ("float32", "bf16w"),
+    "bfloat16": ("bfloat16", "plain"),
+    "bfloat16+dnnl": ("bfloat16", "dnnl"),
+    "float16": ("float16", "plain"),
+    "int8": ("int8", "plain"),
+}
+
+
+@pytest.mark.parametrize("old, new", OLD_DTYPES.items(), ids=list(OLD_DTYPES))
+def test_an_old_combined_dtype_reads_as_the_same_dtype_and_gemm(old, new, caplog):
+    with caplog.at_level(logging.WARNING, logger="specdec.config"):
+        models = SpecdecConfig.from_args({**BASE, "dtype": old}).models
+    for side in SIDES:  # the draft follows the target's dtype, its GEMM included
+        assert (models.for_side(side)[1], models.gemm_for(side)) == new
+    if "+" in old:
+        dtype, gemm = new
+        assert (models.dtype, models.gemm) == new
+        assert f"dtype: {old} is deprecated: write dtype: {dtype} and gemm: {gemm}" in caplog.text
+    else:
+        assert models.gemm is None and "deprecated" not in caplog.text
+    own = SpecdecConfig.from_args({**BASE, "dtype": "bfloat16", "draft_dtype": old}).models
+    assert (own.for_side("draft")[1], own.gemm_for("draft")) == new
+    assert (own.for_side("target")[1], own.gemm_for("target")) == ("bfloat16", "plain")
+    # the old string with a draft dtype of its own: the draft runs that dtype's plain GEMM
+    # (or auto), as it did
+    split = SpecdecConfig.from_args({**BASE, "dtype": old, "draft_dtype": "int8"}).models
+    assert (split.for_side("draft")[1], split.gemm_for("draft")) == ("int8", "plain")
+
+
+def test_dtype_and_gemm_are_two_settings():
+    models = SpecdecConfig.from_args({**BASE, "dtype": "float32", "gemm": "dnnl"}).models
+    assert [(models.for_side(s)[1], models.gemm_for(s)) for s in SIDES] == [
+        ("float32", "dnnl"),
+        ("float32", "dnnl"),
+    ]
+    models = SpecdecConfig.from_args(
+        {**BASE, "dtype": "float32", "gemm": "dnnl", "draft_gemm": "plain"}
+    ).models
+    assert models.gemm_for("draft") == "plain" and models.gemm_for("target") == "dnnl"
+    models = SpecdecConfig.from_args({**BASE, "dtype": "bfloat16", "gemm": "auto"}).models
+    assert models.gemm_for("target") == models.gemm_for("draft") == "auto"
+    models = SpecdecConfig.from_args({**BASE, "dtype": "auto", "draft_dtype": "int8"}).models
+    assert (models.gemm_for("target"), models.gemm_for("draft")) == ("auto", "plain")
+
+
+INVALID_PAIRS = [
+    ({"dtype": "bfloat16", "gemm": "bf16w"}, "gemm"),  # bf16w runs a float32 model
+    ({"dtype": "bfloat16", "gemm": "wm"}, "gemm"),
+    ({"dtype": "int8", "gemm": "dnnl"}, "gemm"),
+    ({"dtype": "float16", "gemm": "dnnl"}, "gemm"),
+    ({"dtype": "auto", "gemm": "dnnl"}, "gemm"),  # a fixed GEMM runs fixed dtypes
+    ({"draft_dtype": "int8", "draft_gemm": "wm"}, "draft_gemm"),
+    ({"dtype": "bfloat16", "draft_gemm": "bf16w"}, "draft_gemm"),
+    ({"dtype": "float32+dnnl", "gemm": "wm"}, "gemm"),  # the old string names another GEMM
+    ({"device": "cuda", "gemm": "dnnl"}, "gemm"),
+    ({"device": "cuda", "draft_gemm": "bf16w"}, "draft_gemm"),
+]
+
+
+@pytest.mark.parametrize("settings, field", INVALID_PAIRS, ids=[str(s) for s, _ in INVALID_PAIRS])
+def test_an_invalid_dtype_and_gemm_is_refused_naming_the_field(settings, field):
+    with pytest.raises(ConfigError) as err:
+        SpecdecConfig.from_args({**BASE, **settings})
+    assert err.value.field == field and str(err.value).startswith(f"{field}: ")
+
+
+def test_the_candidates_of_the_settings():
+    from specdec.device.calibration.candidates import Candidate, candidates, configured
+
+    for role in SIDES:
+        every = candidates(role, "cpu")
+        assert configured("auto", "auto", role, "cpu") == every
+        assert configured("float32", "plain", role, "cpu") == [Candidate("float32")]
+        assert configured("float32", "dnnl", role, "cpu") == [Candidate("float32", "dnnl")]
+        assert configured("auto", "plain", role, "cpu") == [c for c in every if c.gemm == "plain"]
+        float32 = configured("float32", "auto", role, "cpu")
+        assert float32 == [c for c in every if c.dtype == "float32"]
+        assert Candidate("float32") in float32
+        assert configured("float16", "auto", role, "cpu") == [Candidate("float16")]
+    assert configured("bfloat16", "auto", "target", "cuda") == [Candidate("bfloat16")]
 
 
 def test_the_config_module_imports_neither_ray_nor_torch_nor_the_engine():

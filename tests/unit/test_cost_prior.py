@@ -9,8 +9,10 @@ from specdec import SpeculativeEngine
 from specdec.config import SpecdecConfig
 from specdec.decoding.costs import CostPrior
 from specdec.decoding.request import ModelLimits
-from specdec.device.calibration import Calibration, DtypeMeasurement, ExactWidths
+from specdec.device.calibration.candidates import Candidate
+from specdec.device.calibration.results import Calibration, DtypeMeasurement, ExactWidths
 from specdec.device.cost_prior import cost_table
+from specdec.device.gemm import PLAIN
 from specdec.models.loading import load_model
 from specdec.v1 import worker_pb2
 from specdec.worker.info import replica_info
@@ -23,8 +25,10 @@ DRAFT_S = (0.05, 0.06, 0.07, 0.08)
 
 def _calibration(forward_s, exact_widths=None, prefill_s_per_token=0.0) -> Calibration:
     exact = ExactWidths(exact_widths, forward_s) if exact_widths else None
-    chosen = DtypeMeasurement("float32", forward_s, prefill_s_per_token, exact, 1.0)
-    return Calibration("cpu: test", "float32", False, (chosen,), 0.5)
+    chosen = DtypeMeasurement(
+        Candidate("float32", PLAIN), forward_s, prefill_s_per_token, exact, 1.0
+    )
+    return Calibration("cpu: test", Candidate("float32", PLAIN), False, (chosen,), 0.5)
 
 
 CALIBRATIONS = {

@@ -1,4 +1,4 @@
-"""Half-precision targets and cheaper drafts: the fixed-width verify and the int8 draft."""
+"""Half-precision targets and cheaper drafts: the exact-width verify and the int8 draft."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.device.gemm import bf16_weights_candidate
+from specdec.device.calibration.candidates import Candidate, bf16_weights_candidates
 from specdec.models.loading import load_model
 from specdec.models.tiny import PROMPTS
 
@@ -25,7 +25,7 @@ def test_every_dtype_pads_to_measured_exact_widths(bf16_engine, engine):
         verifier = built.transport.verifier
         calibration = verifier.calibration
         assert verifier.exact is calibration.chosen.exact is not None
-        assert calibration.dtype == str(built.target.model.dtype).removeprefix("torch.")
+        assert calibration.candidate == Candidate(str(built.target.model.dtype)[len("torch.") :])
         assert not calibration.automatic
         assert calibration.device.startswith("cpu: ")
         # One forward cost per measured width, 1 .. k_max + 1 and beyond.
@@ -57,45 +57,46 @@ class _RowsApart(torch.nn.Linear):
         return out
 
 
-def _classes(tiny_pair, apart, whole=False, max_width=8):
-    from specdec.device.exact_widths import measure_width_classes
+def _sets(tiny_pair, apart, whole=False, max_width=8):
+    from specdec.device.exact_widths import measure_exact_width_sets
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     loaded.model.lm_head = _RowsApart(loaded.model.lm_head, apart, whole)
     generator = torch.Generator().manual_seed(0)
-    return measure_width_classes(loaded.model, max_width, generator=generator, elements=10_000)
+    return measure_exact_width_sets(loaded.model, max_width, generator=generator, elements=10_000)
 
 
-def _widths(classes) -> list[int]:
-    return sorted(w for c in classes for w in c)
+def _widths(sets) -> list[int]:
+    return sorted(w for s in sets for w in s)
 
 
-def test_widths_whose_rows_depend_on_their_position_belong_to_no_class(tiny_pair):
+def test_widths_whose_rows_depend_on_their_position_belong_to_no_set(tiny_pair):
     # The device's own kernels may leave widths out too (on an AVX2-only EPYC the tiny target's
-    # float32 classes are [1], [2, 3], [4, 8]: 5-7 in none); the modified layer takes the odd.
-    device = _widths(_classes(tiny_pair, lambda width: False))
-    classes = _classes(tiny_pair, lambda width: width % 2 == 1 and width > 1)
-    assert _widths(classes) == [w for w in device if w == 1 or w % 2 == 0]
+    # float32 exact-width sets are [1], [2, 3], [4, 8]: 5-7 in none); the modified layer takes
+    # the odd.
+    device = _widths(_sets(tiny_pair, lambda width: False))
+    sets = _sets(tiny_pair, lambda width: width % 2 == 1 and width > 1)
+    assert _widths(sets) == [w for w in device if w == 1 or w % 2 == 0]
     assert 1 in device and 2 in device
 
 
-def test_widths_that_round_apart_form_separate_classes(tiny_pair):
+def test_widths_that_round_apart_form_separate_sets(tiny_pair):
     # The device's own kernels may split widths too; the modified layer must add the cut at 3|4.
-    device_classes = _classes(tiny_pair, lambda width: False)
-    classes = _classes(tiny_pair, lambda width: width <= 3, whole=True)
-    assert _widths(classes) == _widths(device_classes)
-    assert all(max(c) <= 3 or min(c) >= 4 for c in classes)
-    assert all(any(set(c) <= set(d) for d in device_classes) for c in classes)
+    device_sets = _sets(tiny_pair, lambda width: False)
+    sets = _sets(tiny_pair, lambda width: width <= 3, whole=True)
+    assert _widths(sets) == _widths(device_sets)
+    assert all(max(s) <= 3 or min(s) >= 4 for s in sets)
+    assert all(any(set(s) <= set(d) for d in device_sets) for s in sets)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_whole_model_check_compares_the_smallest_width_in_its_first_trial(tiny_pair, seed):
     # A 1-row forward computed apart (as the bundled bfloat16 target's is on an AVX-512 BF16
-    # EPYC): one trial must fail the (1, 2) class whatever the random split would have been.
+    # EPYC): one trial must fail the (1, 2) set whatever the random split would have been.
     from specdec.device.exact_widths import use_row_wise_attention, whole_forward_exact
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
-    use_row_wise_attention(loaded.model)  # as the calibration checks a class
+    use_row_wise_attention(loaded.model)  # as the calibration checks an exact-width set
     loaded.model.lm_head = _RowsApart(loaded.model.lm_head, lambda width: width == 1, whole=True)
     generator = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
@@ -107,7 +108,7 @@ def test_the_whole_model_check_compares_the_smallest_width_in_its_first_trial(ti
 
 
 def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
-    from specdec.device.calibration import ExactWidths
+    from specdec.device.calibration.results import ExactWidths
 
     costs = (1.0, 2.0, 3.0, 4.0, 3.5, 5.0)  # a 5-row forward is cheaper than a 4-row one
     exact = ExactWidths((2, 4, 5), costs)
@@ -120,7 +121,7 @@ def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
-def test_fixed_width_makes_target_logits_independent_of_k(bf16_engine, k):
+def test_exact_widths_make_target_logits_independent_of_k(bf16_engine, k):
     # Bitwise equality of the logprobs: each position's logits come from a forward of the same
     # width whatever k is, so not even the last bit of bfloat16 rounding may differ.
     for prompt in PROMPTS:
@@ -130,7 +131,7 @@ def test_fixed_width_makes_target_logits_independent_of_k(bf16_engine, k):
         assert out.logprobs == expected.logprobs, (prompt, k)
 
 
-def test_fixed_width_padding_never_stays_in_the_cache(bf16_engine, monkeypatch):
+def test_exact_width_padding_never_stays_in_the_cache(bf16_engine, monkeypatch):
     verifier = bf16_engine.transport.verifier
     seen = []
     original = verifier.verify_batch
@@ -171,15 +172,19 @@ def test_int8_on_a_gpu_is_refused(tiny_pair):
         load_model(tiny_pair[0], dtype="int8", device="cuda")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", *bf16_weights_candidate()])
-def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, dtype):
+@pytest.mark.parametrize(
+    "candidate", [Candidate("bfloat16"), Candidate("float32"), *bf16_weights_candidates()], ids=str
+)
+def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, candidate):
     # The rebuild replays the prompt's prefill as one forward and the rest in exact widths, so
     # the rebuilt cache is bitwise the lost one: token ids and logprobs equal the undisturbed
     # run's, in half precision too (where a plain forward over the prefix changed them).
     # float32+bf16w needs weights that are bfloat16 values: the pair stored in bfloat16.
-    pair = "tiny_pair_bf16" if dtype in bf16_weights_candidate() else "tiny_pair"
+    pair = "tiny_pair_bf16" if candidate in bf16_weights_candidates() else "tiny_pair"
     draft, target = request.getfixturevalue(pair)
-    built = SpeculativeEngine.from_pretrained(draft, target, dtype=dtype)
+    built = SpeculativeEngine.from_pretrained(
+        draft, target, dtype=candidate.dtype, gemm=candidate.gemm
+    )
     verifier = built.transport.verifier
     rebuilds = verifier.sessions.rebuilds
     sides = (built.transport.proposer, verifier)
@@ -205,14 +210,14 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, d
 
 
 def test_without_fixed_shape_verify_no_exact_widths_are_measured(tiny_pair):
-    from specdec.device.calibration import calibrate
+    from specdec.device.calibration.load import calibrate
     from specdec.device.exact_widths import ROW_WISE_ATTENTION
 
     loaded = load_model(str(tiny_pair[1]), dtype="float32")
     model, calibration = calibrate(
         loaded,
         "target",
-        ["float32"],
+        [Candidate("float32")],
         max_speculative_tokens=3,
         automatic=False,
         exact_widths=False,
@@ -223,13 +228,13 @@ def test_without_fixed_shape_verify_no_exact_widths_are_measured(tiny_pair):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
 def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(tiny_pair, dtype):
-    """_cast builds each candidate without a float32 copy of the weights (the bundled target's
+    """cast_model builds each candidate without a float32 copy of the weights (the bundled target's
     bfloat16 candidate peaked at 12.4 GB that way), and it must still be exactly the model a
     deepcopy-then-cast gives: same logits bitwise, tied weights still tied (but for int8's
     quantized lm_head), the float32 model untouched."""
     import copy
 
-    from specdec.device.calibration import _cast
+    from specdec.device.calibration.casting import cast_model
     from specdec.models.loading import quantize_int8
 
     model = load_model(tiny_pair[1]).model
@@ -240,7 +245,7 @@ def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(
         quantize_int8(expected)
     else:
         expected = expected.to(getattr(torch, dtype))
-    cast = _cast(model, dtype)
+    cast = cast_model(model, dtype)
     ids = torch.arange(3, 19).unsqueeze(0)
     with torch.inference_mode():
         assert torch.equal(cast(input_ids=ids).logits, expected(input_ids=ids).logits)
@@ -263,7 +268,7 @@ def _row_by_row(model: torch.nn.Module) -> None:
             )
 
 
-def test_the_check_computes_rows_at_every_width_of_the_class_when_asked(tiny_pair):
+def test_the_check_computes_rows_at_every_width_of_the_set_when_asked(tiny_pair):
     # Width 5 alone computes its rows apart. One random trial need not cut a piece of 5 rows;
     # rows_per_width makes every narrower width compute at least that many rows.
     from specdec.device.exact_widths import use_row_wise_attention, whole_forward_exact
@@ -292,11 +297,11 @@ def _meta_model(shapes: dict[tuple[int, int], int]) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def test_a_half_precision_class_is_checked_only_where_a_split_would_show(tiny_pair):
-    from specdec.device.calibration import HALF_CLASS_MAX_PASSES
+def test_a_half_precision_set_is_checked_only_where_a_split_would_show(tiny_pair):
+    from specdec.device.calibration.measure import HALF_SET_MAX_PASSES
     from specdec.device.exact_widths import half_precision_rows
 
-    budget = HALF_CLASS_MAX_PASSES * 17  # rows a width, k_max 12
+    budget = HALF_SET_MAX_PASSES * 17  # rows a width, k_max 12
     # Qwen2.5 1.5B's linear layers: 28 decoder layers and the LM head.
     qwen = {(1536, 1536): 56, (256, 1536): 56, (8960, 1536): 56, (1536, 8960): 28}
     qwen[(151936, 1536)] = 1
@@ -311,12 +316,12 @@ def test_a_half_precision_class_is_checked_only_where_a_split_would_show(tiny_pa
 
 
 def test_a_half_precision_target_of_a_tiny_model_keeps_one_exact_width(bf16_engine):
-    # Its layers are too small for a split class to show within the check: single widths only.
+    # Its layers are too small for a split set to show within the check: single widths only.
     assert len(bf16_engine.transport.verifier.exact.widths) == 1
 
 
-def test_a_checkable_half_precision_class_gets_the_longer_check(tiny_pair, monkeypatch):
-    from specdec.device import calibration
+def test_a_checkable_half_precision_set_gets_the_longer_check(tiny_pair, monkeypatch):
+    from specdec.device.calibration import measure
 
     checked = []
 
@@ -324,11 +329,11 @@ def test_a_checkable_half_precision_class_gets_the_longer_check(tiny_pair, monke
         checked.append((widths, kwargs.get("rows_per_width", 0)))
         return True
 
-    monkeypatch.setattr(calibration, "half_precision_rows", lambda model: 7)
-    monkeypatch.setattr(calibration, "whole_forward_exact", recording_check)
+    monkeypatch.setattr(measure, "half_precision_rows", lambda model: 7)
+    monkeypatch.setattr(measure, "whole_forward_exact", recording_check)
     loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
     generator = torch.Generator().manual_seed(0)
     costs = [1.0 + 0.01 * w for w in range(9)]
-    exact = calibration._exact_widths(loaded.model, loaded.vocab_size, costs, 9, generator, True)
+    exact = measure._exact_widths(loaded.model, loaded.vocab_size, costs, 9, generator, True)
     assert checked == [(exact.widths, 7)]
-    assert len(exact.widths) > 1  # a class of several widths is cheapest on this cost curve
+    assert len(exact.widths) > 1  # a set of several widths is cheapest on this cost curve

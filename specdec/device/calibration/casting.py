@@ -1,0 +1,58 @@
+"""A float32 model cast to each candidate's dtype without a second float32 copy, and the memory
+the losing candidates held handed back to the OS."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import ctypes.util
+import gc
+import itertools
+
+import torch
+
+from specdec.models.loading import DTYPES, INT8, quantize_int8
+
+
+def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A copy of a float32 model in ``dtype`` (int8: dynamically quantized), equal to
+    ``copy.deepcopy(model).to(dtype)`` (or quantize_int8 of the deepcopy) without ever holding
+    a second float32 set of weights: each floating parameter and buffer is cast on its own
+    (bfloat16, float16) or shared with ``model`` (int8: quantization reads the float weights and
+    packs its own). Measured need: the bundled target's bfloat16 candidate peaked at 2x its
+    float32 size (12.4 GB) through a whole-model deepcopy, and Ray's memory monitor killed the
+    local cluster's Serve controller on a 24 GiB machine; now it peaks at 1.5x."""
+    if dtype == "float32":
+        return model
+    quantize = dtype == INT8
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.is_floating_point():
+            memo[id(tensor)] = tensor if quantize else _converted(tensor, DTYPES[dtype])
+    copied = copy.deepcopy(model, memo)
+    if quantize:
+        quantize_int8(copied)
+    return copied
+
+
+def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``; a Parameter stays a Parameter (as Module.to leaves it)."""
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(tensor.detach().to(dtype), requires_grad=tensor.requires_grad)
+    return tensor.to(dtype)
+
+
+def return_freed_memory() -> None:
+    """Hands the heap the losing candidates freed back to the OS (glibc's malloc_trim; a no-op
+    elsewhere). glibc keeps freed chunks under its mmap threshold, which grows to 32 MiB as
+    big tensors come and go, so a replica kept its calibration peak: measured on the bundled
+    pair, the draft replica held 5.1 GB after choosing int8 and 1.6 GB after the trim, the
+    target 8.5 GB and 7.5 GB; without it the bench's in-process baseline no longer fit beside
+    the local cluster on a 24 GiB machine."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    gc.collect()
+    trim(0)
