@@ -129,13 +129,13 @@ class ModelConfig(_Section):
     `$SPECDEC_CALIBRATION_CACHE`, else `~/.cache/specdec/calibration`; an empty string: measure
     at every start. Delete the folder to measure again (e.g. after a start on a busy host)."""
 
-    fixed_shape_verify: bool | None = None
+    exact_widths: bool | None = None
     """Pad every target decode forward to an exact width, so that greedy output cannot depend
     on k through rounding: the target replica measures at start-up which forward widths give a
     row bitwise the same result (wherever it sits in the call) and pads to the cheapest that
     fits; a rebuilt session replays its prefill and then runs in those widths. Null or true:
     on; false: plain forwards of k + 1 positions (faster where padding costs, exact only up to
-    the device's rounding)."""
+    the device's rounding). Formerly `fixed_shape_verify`, still read with a warning."""
 
     max_batch_size: int = 8
     """Calls a draft or target replica runs as one batch of packed forwards
@@ -428,6 +428,7 @@ class SpecdecConfig:
         Raises:
             ConfigError naming the first unknown or invalid setting.
         """
+        settings = _renamed(settings)
         unknown = sorted(set(settings) - set(_SECTION_OF))
         if unknown:
             others = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
@@ -456,6 +457,24 @@ SECTIONS: dict[str, type[_Section]] = {
 _SECTION_OF: dict[str, str] = {
     field.name: section for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)
 }
+
+
+# Settings that were renamed: old name -> new name. The old name is still read, with a warning.
+RENAMED = {"fixed_shape_verify": "exact_widths"}
+
+
+def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each old name of RENAMED read as its new name (warning once per call).
+
+    Raises:
+        ConfigError: a setting given under both its old and its new name.
+    """
+    for old, new in RENAMED.items():
+        if old in settings:
+            _require(old, new not in settings, f"is the old name of {new}: give only {new}")
+            log.warning("%s is deprecated: it is now called %s", old, new)
+            settings = {(new if k == old else k): v for k, v in settings.items()}
+    return settings
 
 
 def _typed(name: str, value: Any, hint: Any) -> Any:

@@ -115,10 +115,10 @@ class SpeculativeEngine:
         draft, target: loaded models sharing a tokenizer (ModelLoadError otherwise).
         config: the settings (specdec.config): a SpecdecConfig, its SpeculationConfig alone, or
             None for the defaults. The engine reads ``speculation``, the cache bound and
-            ``fixed_shape_verify``; the other model settings are what from_pretrained loads.
+            ``exact_widths``; the other model settings are what from_pretrained loads.
         **settings: flat settings replacing the config's (max_speculative_tokens, draft_top_n,
             dynamic_draft_length, concurrent_prefill, cache_capacity_bytes,
-            fixed_shape_verify, ...), parsed once into ``self.config``.
+            exact_widths, ...), parsed once into ``self.config``.
     Raises:
         ConfigError naming an unknown or invalid setting; ModelLoadError.
     """
@@ -187,7 +187,7 @@ class SpeculativeEngine:
                 gemm=models.gemm_for(side),
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
-                exact_widths=models.fixed_shape_verify is not False,
+                exact_widths=models.exact_widths is not False,
                 max_batch_size=models.max_batch_size,
                 cache=CalibrationCache.configured(models.calibration_cache),
             )

@@ -28,7 +28,7 @@ class TargetVerifier(SessionModel):
     Args:
         loaded: as SessionModel, in the dtype it will run in.
         config: the session cache bound (as SessionModel), k_max, and
-            models.fixed_shape_verify: unless it is False, every decode forward is padded to
+            models.exact_widths: unless it is False, every decode forward is padded to
             one of the widths the device calibration found exact (``exact``), with row-wise
             attention, so a position's logits do not depend on k, and a rebuild replays the
             prompt's prefill (specdec.device.exact_widths explains why).
@@ -36,7 +36,7 @@ class TargetVerifier(SessionModel):
             None measures it now, in the loaded dtype.
     Attributes:
         exact: the exact widths and their costs; None when exact widths are off
-            (fixed_shape_verify: false) or the device has no exact-width set (logged).
+            (exact_widths: false) or the device has no exact-width set (logged).
     """
 
     def __init__(
@@ -49,13 +49,13 @@ class TargetVerifier(SessionModel):
                 [Candidate(_dtype_name(loaded.model.dtype))],
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 automatic=False,
-                exact_widths=config.models.fixed_shape_verify is not False,
+                exact_widths=config.models.exact_widths is not False,
                 max_batch_size=config.models.max_batch_size,
             )
         super().__init__(loaded, config, calibration)
         self.exact: ExactWidths | None = None
         self._packing = False
-        if config.models.fixed_shape_verify is not False:
+        if config.models.exact_widths is not False:
             use_row_wise_attention(loaded.model)
             self.exact = calibration.chosen.exact
             if self.exact is not None and supports_packing(loaded.model) is None:
@@ -91,7 +91,7 @@ class TargetVerifier(SessionModel):
         accepted on its own (its own k, sampling parameters and seed).
 
         Greedy output is what verify() alone gives, bitwise, whatever shares the batch: rows
-        run in the calibrated exact widths. Without exact widths (fixed_shape_verify off, or
+        run in the calibrated exact widths. Without exact widths (exact_widths off, or
         none found) or on a model packed_forward does not support, the sessions run one after
         another.
 

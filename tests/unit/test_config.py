@@ -116,7 +116,7 @@ BAD = [
     ("device", "cuda:x"),
     ("cache_capacity_bytes", 0),
     ("cache_capacity_bytes", 1.5),
-    ("fixed_shape_verify", "auto"),
+    ("exact_widths", "auto"),
     ("draft_pool", ""),
     ("target_pool", 3),
     ("draft_model", ""),
@@ -264,6 +264,18 @@ def test_an_old_combined_dtype_reads_as_the_same_dtype_and_gemm(old, new, caplog
     assert (split.for_side("draft")[1], split.gemm_for("draft")) == ("int8", "plain")
 
 
+@pytest.mark.parametrize("value", [False, True, None])
+def test_the_old_name_of_exact_widths_is_read_with_a_warning(value, caplog):
+    with caplog.at_level(logging.WARNING, logger="specdec.config"):
+        models = SpecdecConfig.from_args({**BASE, "fixed_shape_verify": value}).models
+    assert models.exact_widths is value
+    assert "fixed_shape_verify is deprecated: it is now called exact_widths" in caplog.text
+    with pytest.raises(ConfigError, match="fixed_shape_verify: is the old name of exact_widths"):
+        SpecdecConfig.from_args({**BASE, "fixed_shape_verify": value, "exact_widths": value})
+    with pytest.raises(ConfigError, match="exact_widths"):
+        SpecdecConfig.of(fixed_shape_verify="yes")
+
+
 def test_dtype_and_gemm_are_two_settings():
     models = SpecdecConfig.from_args({**BASE, "dtype": "float32", "gemm": "dnnl"}).models
     assert [(models.for_side(s)[1], models.gemm_for(s)) for s in SIDES] == [
@@ -336,20 +348,20 @@ def test_the_engine_builds_its_config_once_from_keyword_arguments(engine, tiny_p
         draft_top_n=5,
         dynamic_draft_length=False,
         cache_capacity_bytes=10**6,
-        fixed_shape_verify=False,
+        exact_widths=False,
     )
     assert built.config.speculation == SpeculationConfig(
         max_speculative_tokens=3, draft_top_n=5, dynamic_draft_length=False
     )
     assert built.limits.max_speculative_tokens == 3
     assert built.transport.verifier.sessions.capacity_bytes == 10**6
-    assert built.transport.verifier.exact is None  # fixed_shape_verify=False: plain forwards
+    assert built.transport.verifier.exact is None  # exact_widths=False: plain forwards
     with pytest.raises(ConfigError) as err:
         SpeculativeEngine(engine.draft, engine.target, k_max=3)
     assert err.value.field == "k_max"
     # The verifier measures its widths at construction, 1 .. k_max + 1 and a few beyond.
     fixed = SpeculativeEngine.from_pretrained(
-        *tiny_pair, SpeculationConfig(max_speculative_tokens=3), fixed_shape_verify=True
+        *tiny_pair, SpeculationConfig(max_speculative_tokens=3), exact_widths=True
     )
     exact = fixed.transport.verifier.exact
     assert exact is not None and len(exact.forward_s) == 3 + 1 + 4

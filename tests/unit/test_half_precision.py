@@ -209,7 +209,7 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, c
     assert verifier.sessions.rebuilds > rebuilds + len(PROMPTS)
 
 
-def test_without_fixed_shape_verify_no_exact_widths_are_measured(tiny_pair):
+def test_without_exact_widths_no_exact_widths_are_measured(tiny_pair):
     from specdec.device.calibration.load import calibrate
     from specdec.device.exact_widths import ROW_WISE_ATTENTION
 

@@ -172,7 +172,7 @@ def calibrate(
         automatic: whether the candidate was chosen (dtype or gemm: auto) rather than
             configured.
         exact_widths: measure a target's exact widths (and switch it to row-wise attention);
-            False when the verifier will not pad (fixed_shape_verify: false): start-up is
+            False when the verifier will not pad (exact_widths: false): start-up is
             shorter and every candidate counts.
         max_batch_size: the most sessions one batched forward of the replica holds
             (models.max_batch_size); a target's exact widths are priced at loads up to it
