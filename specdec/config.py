@@ -94,10 +94,10 @@ class ModelConfig(_Section):
     weight-major GEMMs for 2-64 rows), `dnnl` (float32, or bfloat16 on a CPU with AVX-512 or
     AVX-NE-CONVERT; CPU only: oneDNN on weights reordered once), `bf16w` (float32 only, CPU
     only: float32 arithmetic on weights stored in bfloat16, for models whose weights are
-    bfloat16 values, like the bundled pair; x86-64 with AVX2 and FMA, a C++ compiler and ninja), or `auto`:
-    the replica measures every GEMM its device has for the dtype (on a CPU, float32's `dnnl`
-    and `bf16w` and a target's `wm`, bfloat16's `dnnl`) with the dtypes `dtype` allows, and
-    keeps the fastest exact one as for `dtype: auto`. Null: `auto` where `dtype` is `auto`,
+    bfloat16 values, like the bundled pair; x86-64 with AVX2 and FMA, a C++ compiler and
+    ninja), or `auto`: the replica measures every GEMM its device has for the dtype (on a
+    CPU, float32's `dnnl` and `bf16w` and a target's `wm`, bfloat16's `dnnl`) with the dtypes
+    `dtype` allows, and keeps the fastest exact one as for `dtype: auto`. Null: `auto` where `dtype` is `auto`,
     else `plain`. With `dtype: auto` only `auto` or `plain`: a fixed GEMM runs fixed dtypes."""
 
     draft_dtype: str | None = None
