@@ -97,8 +97,9 @@ class ModelConfig(_Section):
     bfloat16 values, like the bundled pair; x86-64 with AVX2 and FMA, a C++ compiler and
     ninja), or `auto`: the replica measures every GEMM its device has for the dtype (on a
     CPU, float32's `dnnl` and `bf16w` and a target's `wm`, bfloat16's `dnnl`) with the dtypes
-    `dtype` allows, and keeps the fastest exact one as for `dtype: auto`. Null: `auto` where `dtype` is `auto`,
-    else `plain`. With `dtype: auto` only `auto` or `plain`: a fixed GEMM runs fixed dtypes."""
+    `dtype` allows, and keeps the fastest exact one as for `dtype: auto`. Null: `auto` where
+    `dtype` is `auto`, else `plain`. With `dtype: auto` only `auto` or `plain`: a fixed GEMM
+    runs fixed dtypes."""
 
     draft_dtype: str | None = None
     """The draft's dtype (null: `dtype`). The draft only steers proposals, so a cheaper one
