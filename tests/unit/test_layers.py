@@ -288,3 +288,15 @@ def test_no_module_is_longer_than_the_limit():
     ]
     limit = f"modules over {MAX_MODULE_LINES} lines (split them by concept):"
     assert not long, "\n".join([limit, *long])
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages by name, so a wheel (the k8s image installs one, not an
+    editable tree) leaves out any package folder the list misses."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {src.module for src in SOURCES if src.is_package}
+    assert folders <= set(listed), (
+        f"not in pyproject.toml's packages: {sorted(folders - set(listed))}"
+    )
