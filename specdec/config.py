@@ -35,6 +35,7 @@ AUTO = "auto"  # a dtype or GEMM the replica chooses by measurement
 PLAIN = "plain"  # PyTorch's own F.linear
 MODEL_DTYPES = (AUTO, "float32", "bfloat16", "float16", "int8")
 MODEL_GEMMS = (AUTO, PLAIN, "wm", "dnnl", "bf16w")
+RUNNERS = (AUTO, "dynamic", "static")  # models.runner
 # The GEMMs (specdec.device.gemm) each dtype runs; `auto` measures those the device has.
 DTYPE_GEMMS = {
     "float32": (PLAIN, "wm", "dnnl", "bf16w"),
@@ -153,6 +154,18 @@ class ModelConfig(_Section):
     prefills thousands of tokens in that time; a CPU one prompt per batch. 0: one prefill
     per batch."""
 
+    runner: str = AUTO
+    """How a replica runs its model's forwards: `dynamic` (per-session growing caches, the
+    calibrated exact widths and row-wise attention: the CPU path), `static` (specdec.worker.static:
+    a preallocated pool of KV slots, every decode forward at one fixed width per batch bucket,
+    CUDA graphs on a GPU, greedy acceptance and the draft's chained steps on the device), or
+    `auto`: `static` on a CUDA device, `dynamic` elsewhere. Greedy output is exact either way."""
+
+    max_model_len: int | None = None
+    """The static runner's context limit in tokens (prompt and output): each KV slot holds this
+    many positions plus one verify width. Null: the model's own limit, lowered until
+    `max_batch_size` slots fit in `cache_capacity_bytes` (rounded down to a multiple of 256)."""
+
     batch_wait_fraction: float = 1.0
     """How long a replica holds a batch open for more calls, as a fraction of its last batch's
     seconds. It closes the batch as soon as the calls of all sessions that called it lately are
@@ -164,6 +177,12 @@ class ModelConfig(_Section):
         if side == "draft":
             return self.draft_model, self.draft_dtype or self.dtype
         return self.target_model, self.dtype
+
+    def resolved_runner(self) -> str:
+        """`static` or `dynamic`: the runner setting with `auto` resolved by device."""
+        if self.runner != AUTO:
+            return self.runner
+        return "static" if self.device.startswith("cuda") else "dynamic"
 
     def gemm_for(self, side: str) -> str:
         """The GEMM setting of the "draft" or "target" side, its null resolved: `auto`,
@@ -203,6 +222,11 @@ class ModelConfig(_Section):
         _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         _at_least("cache_idle_s", self.cache_idle_s, 0)
         _at_least("max_batch_size", self.max_batch_size, 1)
+        _require(
+            "runner", self.runner in RUNNERS, f"must be one of {list(RUNNERS)}, got {self.runner!r}"
+        )
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 1)
         _at_least("batch_prefill_s", self.batch_prefill_s, 0)
         _require(
             "batch_wait_fraction",
