@@ -128,6 +128,7 @@ class StaticRunner:
         width: int,
         first: list[int] | None = None,
         drafts: list[list[int]] | None = None,
+        key_len: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """One forward of ``batch`` (each session's entry and its 1..width tokens, which its
         cached_ids then record), padded to a batch bucket, the width and a key-length bucket.
@@ -137,6 +138,7 @@ class StaticRunner:
                 or DRAFT (draft_next's tokens and confidences, then logits).
             first: per session, VERIFY's first scored row or DRAFT's last real row (0 if None).
             drafts: per session, VERIFY's draft tokens (none if None).
+            key_len: the key length (None: the smallest kept bucket that holds every row).
         Returns:
             The step's outputs, [bucket, ...] (rows past len(batch) are padding); on a GPU the
             graph's static tensors, valid until the next call of the same shape.
@@ -163,7 +165,8 @@ class StaticRunner:
         rows = [0] * size if first is None else first + [0] * (size - len(first))
         padded = [d + [-1] * (width - 1 - len(d)) for d in drafts or []]
         padded += [[-1] * (width - 1)] * (size - len(padded))
-        key = (kind, size, width, self._bucket(self.key_lens, longest, "key length"))
+        key_len = key_len or self._bucket(self.key_lens, longest, "key length")
+        key = (kind, size, width, key_len)
         device = self.device
         return self.graphs(
             key,

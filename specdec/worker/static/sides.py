@@ -5,6 +5,7 @@ run by specdec.worker.static.runner over a slot pool."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -16,8 +17,11 @@ from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession, CacheBacking
 from specdec.worker.proposer import Draft, DraftProposer
 from specdec.worker.static.runner import StaticRunner, VerifyJob, VerifyOutcome, synchronize
+from specdec.worker.static.shapes import invariant_shapes
 from specdec.worker.static.slots import SlotAllocator, SlotLayout, slot_layout
 from specdec.worker.verifier import TargetVerifier
+
+log = logging.getLogger(__name__)
 
 
 def layout_for(loaded: LoadedModel, config: SpecdecConfig) -> SlotLayout:
@@ -69,6 +73,16 @@ class StaticVerifier(_Slots, TargetVerifier):
     ) -> None:
         super().__init__(loaded, config, calibration)
         self._start_runner(self.loaded, config)
+        runner = self.runner
+        generator = torch.Generator().manual_seed(0)
+        runner.batch_buckets, runner.key_lens = invariant_shapes(runner, generator)
+        log.info(
+            "static runner: batch buckets %s, key lengths %s, %d slots of %d positions",
+            runner.batch_buckets,
+            runner.key_lens,
+            self.layout.num_slots,
+            self.layout.slot_len,
+        )
 
     def _verify_distinct(
         self, requests: list[worker_pb2.VerifyRequest]
