@@ -15,13 +15,14 @@ from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.config import ConfigError, SpecdecConfig
+from specdec.models.shapes import load_shape
 from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import SessionCacheStore
 from specdec.worker.static.runner import VERIFY
 from specdec.worker.static.shapes import invariant_shapes
 from specdec.worker.static.sides import StaticProposer, StaticVerifier
-from specdec.worker.static.slots import SlotAllocator, SlotLayout
+from specdec.worker.static.slots import SlotAllocator, SlotLayout, SlotPool, slot_layout
 
 GREEDY = SamplingParams(max_new_tokens=24)
 STATIC = {"runner": "static", "max_model_len": 192, "cache_capacity_bytes": 64 * 1024**2}
@@ -194,3 +195,38 @@ def test_a_bucket_that_rounds_a_row_otherwise_is_dropped(static_engine):
     finally:
         runner.graphs._step = real_step
     assert buckets == [b for b in kept if b != 2] and key_lens == runner.key_lens
+
+
+def test_the_slot_pool_of_a_14b_target_is_sized_from_its_config_alone():
+    """Qwen2.5-Coder-14B-Instruct's shipped config.json, no weights: 48 layers of 8 key/value
+    heads of 128 in bfloat16, 192 KiB a token; the shipped gpu.yaml's 20 GiB and 16 sessions."""
+    config = load_shape("qwen2.5-coder-14b-instruct")
+    capacity = 20 * 1024**3
+    layout = slot_layout(
+        config, torch.bfloat16, capacity_bytes=capacity, max_batch_size=16, width=9
+    )
+    assert layout.bytes_per_token == 48 * 2 * 8 * 128 * 2
+    assert layout.num_slots >= 16 and layout.total_bytes <= capacity
+    assert layout.context_limit % 256 == 0
+    assert 4096 <= layout.context_limit <= config.max_position_embeddings
+    pool = SlotPool(layout, "meta")  # sized, never allocated
+    held = sum(t.numel() * t.element_size() for t in pool.keys + pool.values)
+    assert held == layout.total_bytes
+    with pytest.raises(ValueError, match="cache_capacity_bytes"):
+        slot_layout(
+            config,
+            torch.bfloat16,
+            capacity_bytes=capacity,
+            max_batch_size=16,
+            width=9,
+            max_model_len=config.max_position_embeddings,
+        )
+    with pytest.raises(ValueError, match="max_model_len"):
+        slot_layout(
+            config,
+            torch.bfloat16,
+            capacity_bytes=capacity,
+            max_batch_size=1,
+            width=9,
+            max_model_len=config.max_position_embeddings + 1,
+        )
