@@ -188,7 +188,7 @@ class SpeculativeEngine:
                 gemm=models.gemm_for(side),
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
-                exact_widths=models.exact_widths is not False,
+                exact_widths=models.measures_exact_widths(),
                 max_batch_size=models.max_batch_size,
                 cache=CalibrationCache.configured(models.calibration_cache),
             )

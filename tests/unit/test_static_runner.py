@@ -139,7 +139,7 @@ def test_a_prompt_past_the_context_limit_is_refused(static_engine):
 
 
 def _layout(slots: int) -> SlotLayout:
-    return SlotLayout(1, 1, 1, torch.float32, slot_len=8, num_slots=slots, width=2)
+    return SlotLayout(1, 1, 1, torch.float32, context_limit=6, num_slots=slots, width=2)
 
 
 def _tokens(session_id: str, ids: list[int], prefix_len: int = 0) -> worker_pb2.SessionTokens:

@@ -166,16 +166,24 @@ class StaticRunner:
         padded = [d + [-1] * (width - 1 - len(d)) for d in drafts or []]
         padded += [[-1] * (width - 1)] * (size - len(padded))
         key_len = key_len or self._bucket(self.key_lens, longest, "key length")
-        key = (kind, size, width, key_len)
-        device = self.device
-        return self.graphs(
-            key,
-            torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
-            torch.tensor(slots, device=device),
-            torch.tensor(rows, device=device),
-            torch.tensor(padded, device=device, dtype=torch.long).view(size, width - 1),
-        )
+        inputs = self._to_device([ids, positions, slots, rows, padded], size, width)
+        return self.graphs((kind, size, width, key_len), *inputs)
+
+    def _to_device(self, lists: list[list], size: int, width: int) -> list[torch.Tensor]:
+        """The host's ids, positions, slots, rows and drafts as device tensors of shapes [size,
+        width], [size, width], [size], [size], [size, width - 1], in one copy: a synchronous
+        copy per tensor would make the host wait for the device's queue each time."""
+        flat = [v for values in lists for v in _flatten(values)]
+        host = torch.tensor(flat, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        shapes = [(size, width), (size, width), (size,), (size,), (size, width - 1)]
+        out, start = [], 0
+        for shape in shapes:
+            count = shape[0] * (shape[1] if len(shape) > 1 else 1)
+            out.append(host[start : start + count].view(shape))
+            start += count
+        return out
 
     # -- prefill -------------------------------------------------------------------------
 
@@ -402,6 +410,10 @@ class StaticRunner:
             if bucket >= size:
                 return bucket
         raise ValueError(f"a {what} of {size} exceeds the largest bucket, {buckets[-1]}")
+
+
+def _flatten(values: list) -> list[int]:
+    return [v for row in values for v in row] if values and isinstance(values[0], list) else values
 
 
 def _chunks_from_end(tokens: list[int], width: int) -> list[list[int]]:

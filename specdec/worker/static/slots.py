@@ -25,6 +25,9 @@ import torch
 from transformers import PretrainedConfig
 
 CONTEXT_ROUNDING = 256  # a derived context limit is a multiple of this many tokens
+# Slot lengths (the longest key length) are a multiple of this many positions: attention kernels
+# want the mask's last dimension aligned (PyTorch's memory-efficient SDPA copies it otherwise).
+SLOT_ALIGNMENT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,7 @@ class SlotLayout:
     Attributes:
         num_layers, kv_heads, head_dim: the model's attention shape.
         dtype: the keys' and values' dtype (the model's).
-        slot_len: positions per slot: the context limit plus one forward's width, since a
-            forward's padding rows write past a session's last real position.
+        context_limit: tokens (prompt and output) a session may hold.
         num_slots: sessions the pool holds (the scratch slot not counted).
         width: the widest decode forward, in positions.
     """
@@ -44,7 +46,7 @@ class SlotLayout:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    slot_len: int
+    context_limit: int
     num_slots: int
     width: int
 
@@ -55,6 +57,12 @@ class SlotLayout:
         return self.num_layers * 2 * self.kv_heads * self.head_dim * itemsize
 
     @property
+    def slot_len(self) -> int:
+        """Positions per slot: the context limit plus one forward's width (a forward's padding
+        rows write past a session's last real position), rounded up to SLOT_ALIGNMENT."""
+        return _round_up(self.context_limit + self.width, SLOT_ALIGNMENT)
+
+    @property
     def slot_bytes(self) -> int:
         return self.bytes_per_token * self.slot_len
 
@@ -62,11 +70,6 @@ class SlotLayout:
     def total_bytes(self) -> int:
         """Bytes of the whole pool, the scratch slot included."""
         return self.slot_bytes * (self.num_slots + 1)
-
-    @property
-    def context_limit(self) -> int:
-        """Tokens (prompt and output) a session may hold."""
-        return self.slot_len - self.width
 
 
 def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -107,13 +110,13 @@ def slot_layout(
     model_limit = int(text.max_position_embeddings)
     per_token = SlotLayout(num_layers, kv_heads, head_dim, dtype, 1, 0, width).bytes_per_token
     if max_model_len is None:
-        fitting = capacity_bytes // ((max_batch_size + 1) * per_token) - width
+        fitting = capacity_bytes // ((max_batch_size + 1) * per_token) - width - SLOT_ALIGNMENT
         max_model_len = min(model_limit, fitting // CONTEXT_ROUNDING * CONTEXT_ROUNDING)
         if max_model_len < CONTEXT_ROUNDING:
             max_model_len = min(model_limit, max(fitting, 0))
     elif max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} tokens")
-    slot_len = max_model_len + width
+    slot_len = _round_up(max_model_len + width, SLOT_ALIGNMENT)
     num_slots = capacity_bytes // (slot_len * per_token) - 1
     if max_model_len < 1 or num_slots < max_batch_size:
         need = (max_batch_size + 1) * slot_len * per_token
@@ -122,7 +125,11 @@ def slot_layout(
             f"{max(max_model_len, 0)} tokens; max_batch_size {max_batch_size} needs "
             f"{max_batch_size} (and a scratch slot): raise it to {need} or lower max_model_len"
         )
-    return SlotLayout(num_layers, kv_heads, head_dim, dtype, slot_len, num_slots, width)
+    return SlotLayout(num_layers, kv_heads, head_dim, dtype, max_model_len, num_slots, width)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 class SlotPool:
