@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from specdec.models.loading import DTYPES
-from specdec.models.tiny import build_word_tokenizer
+from specdec.models.tiny import EOS
 
 SHAPES_DIR = Path(__file__).with_name("shapes")
 TARGET_14B = "qwen2.5-coder-14b-instruct"
@@ -107,6 +110,37 @@ def parameter_count(model: PreTrainedModel) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def byte_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` ids, built without training: id 0
+    is its end-of-sequence token, then the 256 byte symbols, then merges of two symbols, then
+    of three, until the size is reached. It loads back as the tokenizer class of the model's
+    config (Qwen2's rebuilds a BPE from the vocabulary and merges), so it is a BPE.
+
+    Raises:
+        ValueError: ``vocab_size`` below 258 (the end token, the bytes and one merge).
+    """
+    if vocab_size < 258:
+        raise ValueError(f"vocab_size must be at least 258, got {vocab_size}")
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {EOS: 0} | {symbol: i + 1 for i, symbol in enumerate(symbols)}
+    merges: list[tuple[str, str]] = []
+    pieces = symbols
+    while len(vocab) < vocab_size:
+        longer = []
+        for head in pieces:
+            for tail in symbols:
+                if len(vocab) == vocab_size:
+                    break
+                vocab[head + tail] = len(vocab)
+                merges.append((head, tail))
+                longer.append(head + tail)
+        pieces = longer
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS)
+
+
 def save_random(
     config: PretrainedConfig,
     path: Path,
@@ -117,14 +151,14 @@ def save_random(
     seed: int = 0,
 ) -> Path:
     """Writes a loadable model directory at ``path``: random weights of ``config``'s shape
-    (safetensors, ``dtype``) and a word-level tokenizer of ``vocab_size`` ids (``w0``..., id 0
-    its end-of-sequence; specdec.models.tiny.build_word_tokenizer) that no end-of-sequence id
-    is ever emitted by (random_model's never_emit). Returns ``path``.
+    (safetensors, ``dtype``) and a byte_tokenizer of ``vocab_size`` ids; no end-of-sequence id
+    (the tokenizer's, the config's) is ever emitted (random_model's never_emit). Returns
+    ``path``.
 
     The weights are built on ``device`` (a GPU builds a 1.5B model in a second) and written
     from there; nothing is held twice.
     """
-    tokenizer = build_word_tokenizer(vocab_size)
+    tokenizer = byte_tokenizer(vocab_size)
     eos = {tokenizer.eos_token_id, *_ids(config.eos_token_id)}
     model = random_model(config, device=device, dtype=dtype, seed=seed, never_emit=eos)
     model.save_pretrained(path)

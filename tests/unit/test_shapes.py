@@ -74,6 +74,17 @@ def test_a_saved_random_pair_loads_as_a_pair_sharing_a_tokenizer(tmp_path):
     assert loaded.model.get_output_embeddings().weight.shape[0] == 600
     assert loaded.eos_token_ids == {0}
     assert load_model(draft_dir).tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
+    # It loads back as Qwen2's tokenizer class, which rebuilds the BPE: text round-trips.
+    ids = loaded.tokenizer("def add(a, b):").input_ids
+    assert ids and loaded.tokenizer.decode(ids) == "def add(a, b):"
+
+
+def test_a_byte_tokenizer_has_exactly_the_size_asked_for():
+    tokenizer = shapes.byte_tokenizer(70_000)  # past the 65,536 two-byte merges
+    assert len(tokenizer) == 70_000 and tokenizer.eos_token_id == 0
+    assert tokenizer.decode(tokenizer("héllo wörld").input_ids) == "héllo wörld"
+    with pytest.raises(ValueError, match="258"):
+        shapes.byte_tokenizer(100)
 
 
 def test_an_unknown_shape_or_dtype_is_refused_naming_the_choices():
