@@ -275,8 +275,9 @@ def start_node(
 
     The head ("head") binds ``info``'s GCS, dashboard and client ports; any other role joins
     ``info.address``. ``object_store_bytes`` is in bytes; ``agent_port`` is the node's
-    dashboard agent port; ``num_gpus`` the GPUs it advertises. Returns at once, without waiting for the node to be up; its output
-    goes to ``<state_dir>/logs/<role>.log``. Raises RuntimeError when ``ray`` is not installed.
+    dashboard agent port; ``num_gpus`` the GPUs it advertises. Returns at once, without waiting
+    for the node to be up; its output goes to ``<state_dir>/logs/<role>.log``. Raises
+    RuntimeError when ``ray`` is not installed.
     """
     temp_dir = Path(info.temp_root) / role
     temp_dir.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from specdec.models.loading import DTYPES
 from specdec.models.tiny import EOS

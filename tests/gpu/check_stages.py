@@ -195,10 +195,9 @@ def stage_baseline(s: dict, rec: Recorder, key: str = "baseline", big: bool = Fa
     """Compiled generate of the target shape and (not ``big``) of the draft shape."""
     from specdec.models import shapes
 
-    roles = {"target": shapes.TARGET_14B} if big else {
-        "target": shapes.BUNDLED_TARGET,
-        "draft": shapes.BUNDLED_DRAFT,
-    }
+    roles = {"target": shapes.TARGET_14B}
+    if not big:
+        roles = {"target": shapes.BUNDLED_TARGET, "draft": shapes.BUNDLED_DRAFT}
     models: dict[str, dict] = {}
     for role, name in roles.items():
         say(f"{key}: compiled generate of {name}")
@@ -206,7 +205,9 @@ def stage_baseline(s: dict, rec: Recorder, key: str = "baseline", big: bool = Fa
         try:
             config = shapes.load_shape(name, toy=s["quick"])
             new_tokens = s["new_tokens"] // 2 if big else s["new_tokens"]
-            models[role] |= plain_generate(config, s, new_tokens, lambda: rec.put(key, models=models))
+            models[role] |= plain_generate(
+                config, s, new_tokens, lambda: rec.put(key, models=models)
+            )
         except Exception as error:  # noqa: BLE001 - recorded; the next model still runs
             rec.error(key, f"generate of {name}", error)
         rec.put(key, models=models)
@@ -257,9 +258,8 @@ def plain_generate(config, s: dict, new_tokens: int, save: Callable[[], Any]) ->
     out["compile"] = dict(settings.get("compile_config").to_dict()) if s["compile"] else None
 
     def run(n: int) -> Callable[[], Any]:
-        def generate():
-            with torch.inference_mode():
-                return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)
+        def generate():  # generate runs under no_grad itself; the compiled graphs expect it
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **settings)
 
         return generate
 
@@ -321,7 +321,10 @@ def stage_runner(s: dict, rec: Recorder) -> None:
 def runner_names(engine) -> dict:
     """Which runner each side uses: its class, or the note that the side has none."""
     names = {}
-    for side, worker in (("target", engine.transport.verifier), ("draft", engine.transport.proposer)):
+    for side, worker in (
+        ("target", engine.transport.verifier),
+        ("draft", engine.transport.proposer),
+    ):
         runner = getattr(worker, "runner", None)
         names[f"{side}_runner"] = type(runner).__name__ if runner else "none (dynamic path)"
     return names
@@ -414,7 +417,9 @@ def stage_exactness(s: dict, rec: Recorder) -> None:
                 root / "draft", root / "target", device=s["device"], dtype=dtype, runner="static"
             )
             checks.update(runner_names(engine))
-            exactness_checks(engine, prompts, greedy, checks, lambda: rec.put("exactness", dtypes=dtypes))
+            exactness_checks(
+                engine, prompts, greedy, checks, lambda: rec.put("exactness", dtypes=dtypes)
+            )
         except Exception as error:  # noqa: BLE001
             rec.error("exactness", f"{dtype}", error)
         rec.put("exactness", dtypes=dtypes)
@@ -426,26 +431,29 @@ def stage_exactness(s: dict, rec: Recorder) -> None:
 def exactness_checks(engine, prompts, greedy, checks: dict, save: Callable[[], Any]) -> None:
     from rebuilds import stream_evicting
 
-    expected = {p: engine.generate(p, greedy, 0) for p in prompts}
-    reference = {p: (e.token_ids, e.logprobs) for p, e in expected.items()}
-    alone = {}
+    def outputs(k) -> dict:
+        return {p: _output(engine.generate(p, greedy, k)) for p in prompts}
+
+    reference = outputs(0)
     for k in (1, 3, "auto"):
-        outs = {p: engine.generate(p, greedy, k) for p in prompts}
-        alone[k] = outs
-        checks[f"k={k}"] = verdict(reference, {p: (o.token_ids, o.logprobs) for p, o in outs.items()})
+        checks[f"k={k}"] = verdict(reference, outputs(k))
         save()
 
     async def together():
         return await asyncio.gather(*(engine.agenerate(p, greedy, 3) for p in prompts))
 
-    batched = dict(zip(prompts, asyncio.run(together())))
-    checks["batched k=3"] = verdict(reference, {p: (o.token_ids, o.logprobs) for p, o in batched.items()})
+    batched = {p: _output(o) for p, o in zip(prompts, asyncio.run(together()))}
+    checks["batched k=3"] = verdict(reference, batched)
     save()
     sides = (engine.transport.proposer, engine.transport.verifier)
     for k in (3, "auto"):
         outs = {p: stream_evicting(engine, p, greedy, k, sides) for p in prompts[:2]}
         checks[f"evicted k={k}"] = verdict({p: reference[p] for p in outs}, outs)
         save()
+
+
+def _output(completion) -> tuple[list[int], list[float]]:
+    return completion.token_ids, completion.logprobs
 
 
 def verdict(expected: dict, got: dict) -> dict:
@@ -473,7 +481,12 @@ def stage_pytest(s: dict, rec: Recorder) -> None:
     try:
         out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit)
         lines = (out.stdout + out.stderr).strip().splitlines()
-        rec.put("pytest", returncode=out.returncode, summary=lines[-1] if lines else "", tail=lines[-15:])
+        rec.put(
+            "pytest",
+            returncode=out.returncode,
+            summary=lines[-1] if lines else "",
+            tail=lines[-15:],
+        )
     except subprocess.TimeoutExpired:
         rec.put("pytest", status="timeout", error=f"pytest tests/gpu ran past {limit} s")
 
