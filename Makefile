@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test test-unit protos run clean
+.PHONY: install lint test test-unit protos run gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ test-unit: install
 # prompts; stops the cluster it started. Results land in bench-results/.
 run: install
 	$(VENV)/bin/specdec demo
+
+# The prepared GPU check (tests/gpu/README.md): one H100 or H200, no network, under 8 minutes;
+# random weights in real shapes. Runs with the Python at hand (a lent machine has no .venv).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) tests/gpu/check.py --json benchmarks/results/gpu-check.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

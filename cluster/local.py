@@ -141,6 +141,7 @@ def up(
     worker_cpus: int = 1,
     draft_resources: Mapping[str, float] | None = None,
     target_resources: Mapping[str, float] | None = None,
+    target_gpus: int = 0,
     wait_s: float = 60.0,
 ) -> ClusterInfo:
     """Start the head, draft and target nodes and wait until all three are alive.
@@ -154,6 +155,9 @@ def up(
         worker_cpus: logical CPUs of each pool node (replicas request 0 CPUs plus a pool).
         draft_resources / target_resources: custom resources of the pool nodes; default
             ``{"draft_pool": 100}`` and ``{"target_pool": 100}``.
+        target_gpus: GPUs the target node advertises (the other nodes none): 1 on a one-GPU
+            machine serves deployments/config/one-gpu.yaml, whose draft and target replicas
+            share that GPU by fractional ``num_gpus``.
         wait_s: seconds to wait for all nodes to be alive with their resources.
 
     Every node listens on 127.0.0.1 only (see ``processes.ray_start_main``); token auth is on
@@ -203,6 +207,7 @@ def up(
                 resources=res,
                 object_store_bytes=object_store_bytes,
                 agent_port=agent_port,
+                num_gpus=target_gpus if role == "target" else 0,
             )
             info = replace(info, nodes=info.nodes + (node,))
             save_state(info)  # record every pid as soon as it exists, so down() can clean up

@@ -269,13 +269,15 @@ def start_node(
     resources: Mapping[str, float],
     object_store_bytes: int,
     agent_port: int,
+    num_gpus: int = 0,
 ) -> NodeProcess:
     """Starts one node of ``info``'s cluster as ``ray start --block`` in a new session.
 
     The head ("head") binds ``info``'s GCS, dashboard and client ports; any other role joins
     ``info.address``. ``object_store_bytes`` is in bytes; ``agent_port`` is the node's
-    dashboard agent port. Returns at once, without waiting for the node to be up; its output
-    goes to ``<state_dir>/logs/<role>.log``. Raises RuntimeError when ``ray`` is not installed.
+    dashboard agent port; ``num_gpus`` the GPUs it advertises. Returns at once, without waiting
+    for the node to be up; its output goes to ``<state_dir>/logs/<role>.log``. Raises
+    RuntimeError when ``ray`` is not installed.
     """
     temp_dir = Path(info.temp_root) / role
     temp_dir.mkdir(parents=True, exist_ok=True)
@@ -286,7 +288,7 @@ def start_node(
         "--block",  # keeps `ray start` alive as the root of this node's process tree
         f"--node-ip-address={NODE_IP}",
         f"--num-cpus={num_cpus}",
-        "--num-gpus=0",
+        f"--num-gpus={num_gpus}",
         f"--resources={json.dumps(dict(resources))}",
         f"--labels={ROLE_LABEL}={role}",
         f"--node-name=specdec-{role}",

@@ -1,7 +1,9 @@
 """The GPU path's exactness: the tiny pair on a CUDA device, in every dtype the GPU config can
 run (``auto`` chooses between bfloat16 and float16 there).
 
-Skipped where torch sees no CUDA device, as on CI; on a GPU machine: ``python -m pytest tests/gpu``.
+Each check runs with the dynamic (calibrated) runner and with the static one (KV slots, fixed
+widths, CUDA graphs). Skipped where torch sees no CUDA device, as on CI; on a GPU machine:
+``python -m pytest tests/gpu`` (also the last stage of ``python tests/gpu/check.py``).
 What holds on a CPU must hold here too: cuBLAS picks its kernels by the number of rows, so a
 row's logits may depend on the width of the forward that computed it, and only the calibrated
 exact widths keep speculative, target-only and rebuilt sessions bitwise equal.
@@ -25,15 +27,26 @@ pytestmark = pytest.mark.skipif(
 
 GREEDY = SamplingParams(max_new_tokens=32)
 DTYPES = ["auto", "bfloat16", "float16", "float32"]
+# The calibrated CPU path, and the static runner that `runner: auto` picks on cuda.
+RUNNERS = ["dynamic", "static"]
 
 
-@pytest.fixture(scope="module", params=DTYPES)
+@pytest.fixture(
+    scope="module",
+    params=[(d, r) for r in RUNNERS for d in DTYPES],
+    ids=[f"{d}-{r}" for r in RUNNERS for d in DTYPES],
+)
 def cuda_engine(request, tiny_pair):
     draft, target = tiny_pair
-    return SpeculativeEngine.from_pretrained(draft, target, device="cuda", dtype=request.param)
+    dtype, runner = request.param
+    return SpeculativeEngine.from_pretrained(
+        draft, target, device="cuda", dtype=dtype, runner=runner
+    )
 
 
 def test_calibration_measures_the_gpu_and_chooses_a_half_dtype_for_auto(cuda_engine):
+    if cuda_engine.config.models.runner == "static":
+        pytest.skip("the start-up calibration is the dynamic runner's")
     verifier, proposer = cuda_engine.transport.verifier, cuda_engine.transport.proposer
     for side in (verifier, proposer):
         assert side.calibration.device.startswith("cuda: "), side.calibration.device
