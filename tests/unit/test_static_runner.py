@@ -230,3 +230,32 @@ def test_the_slot_pool_of_a_14b_target_is_sized_from_its_config_alone():
             width=9,
             max_model_len=config.max_position_embeddings + 1,
         )
+
+
+def test_more_requests_than_slots_evict_and_rebuild_exactly(tiny_pair):
+    """Four slots a side and eight concurrent requests: batches split at the largest bucket,
+    sessions idle between rounds lose their slots to others and rebuild, and every output is
+    what the request gets alone."""
+    engine = SpeculativeEngine.from_pretrained(
+        *tiny_pair, runner="static", max_model_len=64, max_batch_size=4
+    )
+    layout = engine.transport.verifier.layout
+    engine = SpeculativeEngine.from_pretrained(
+        *tiny_pair,
+        runner="static",
+        max_model_len=64,
+        max_batch_size=4,
+        cache_capacity_bytes=layout.slot_bytes * 5,  # four slots and the scratch one
+    )
+    verifier = engine.transport.verifier
+    assert verifier.layout.num_slots == 4
+    params = SamplingParams(max_new_tokens=40)
+    alone = [engine.generate(p, params, 3) for p in PROMPTS]
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(p, params, 3) for p in PROMPTS))
+
+    for prompt, single, batched in zip(PROMPTS, alone, asyncio.run(together())):
+        assert batched.token_ids == single.token_ids, prompt
+        assert batched.logprobs == single.logprobs, prompt
+    assert verifier.sessions.stats().evictions > 0 and verifier.sessions.rebuilds > 0

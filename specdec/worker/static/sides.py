@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +50,13 @@ class _Slots:
         self.layout = layout_for(loaded, config)
         return SlotAllocator(self.layout)
 
+    def _in_groups(self, requests: list, run: Callable[[list], list]) -> list:
+        """``run`` over groups of at most the largest batch bucket's sessions: a forward holds
+        no more (the in-process engine batches every concurrent request; a replica's
+        serve.batch stops at max_batch_size already), and the pool has a slot for each."""
+        size = self.runner.batch_buckets[-1]
+        return [r for i in range(0, len(requests), size) for r in run(requests[i : i + size])]
+
     def _start_runner(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
         self.runner = StaticRunner(loaded, self.layout, config.models.max_batch_size)
         self.sessions.capacity_bytes = self.layout.slot_bytes * self.layout.num_slots
@@ -88,6 +96,11 @@ class StaticVerifier(_Slots, TargetVerifier):
         self, requests: list[worker_pb2.VerifyRequest]
     ) -> list[worker_pb2.VerifyResponse]:
         """verify_batch over requests of distinct sessions, on the runner."""
+        return self._in_groups(requests, self._verify_group)
+
+    def _verify_group(
+        self, requests: list[worker_pb2.VerifyRequest]
+    ) -> list[worker_pb2.VerifyResponse]:
         with self.checked_out([request.session for request in requests]) as actives:
             live = [(r, a) for r, a in zip(requests, actives) if a is not None]
             outcomes = iter(self.runner.verify([self._job(r, a) for r, a in live]))
@@ -145,6 +158,11 @@ class StaticProposer(_Slots, DraftProposer):
     ) -> None:
         super().__init__(loaded, config, calibration)
         self._start_runner(self.loaded, config)
+
+    def _propose_distinct(
+        self, requests: list[worker_pb2.ProposeRequest]
+    ) -> list[worker_pb2.ProposeResponse]:
+        return self._in_groups(requests, super()._propose_distinct)
 
     def _step(self, feeds: list[tuple[ActiveSession, list[int]]]) -> list[torch.Tensor]:
         """Each session's [vocab] logits after its tokens, on the host."""
