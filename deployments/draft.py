@@ -7,7 +7,7 @@ from ray import serve
 from specdec.config import SpecdecConfig
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
 from specdec.v1 import worker_pb2
-from specdec.worker.proposer import DraftProposer
+from specdec.worker.static.sides import proposer_class
 
 
 @serve.deployment(
@@ -16,14 +16,15 @@ from specdec.worker.proposer import DraftProposer
     max_ongoing_requests=32,
 )
 class DraftModel(ModelReplica):
-    """Proposes k tokens per round for any session (see specdec.worker.proposer.DraftProposer).
+    """Proposes k tokens per round for any session (see specdec.worker.proposer.DraftProposer;
+    specdec.worker.static.sides.StaticProposer under models.runner static).
 
     Args:
         config: the application's settings; loads config.models.draft_model.
     """
 
     def __init__(self, config: SpecdecConfig) -> None:
-        super().__init__(DraftProposer, "draft", config)
+        super().__init__(proposer_class(config), "draft", config)
         self._size_batches(self._propose_batch, config)
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:

@@ -58,7 +58,7 @@ class ModelReplica:
             gemm=config.models.gemm_for(side),
             device=device,
             max_speculative_tokens=config.speculation.max_speculative_tokens,
-            exact_widths=config.models.exact_widths is not False,
+            exact_widths=config.models.measures_exact_widths(),
             max_batch_size=config.models.max_batch_size,
             cache=CalibrationCache.configured(config.models.calibration_cache),
         ).result()

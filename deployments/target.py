@@ -7,7 +7,7 @@ from ray import serve
 from specdec.config import SpecdecConfig
 from specdec.deployments.model_replica import CONSISTENT_HASH_ROUTER, ModelReplica
 from specdec.v1 import worker_pb2
-from specdec.worker.verifier import TargetVerifier
+from specdec.worker.static.sides import verifier_class
 
 
 @serve.deployment(
@@ -16,7 +16,8 @@ from specdec.worker.verifier import TargetVerifier
     max_ongoing_requests=32,
 )
 class TargetModel(ModelReplica):
-    """Verifies draft tokens for any session (see specdec.worker.verifier.TargetVerifier).
+    """Verifies draft tokens for any session (see specdec.worker.verifier.TargetVerifier;
+    specdec.worker.static.sides.StaticVerifier under models.runner static).
 
     Args:
         config: the application's settings; loads config.models.target_model, and the verifier
@@ -24,7 +25,7 @@ class TargetModel(ModelReplica):
     """
 
     def __init__(self, config: SpecdecConfig) -> None:
-        super().__init__(TargetVerifier, "target", config)
+        super().__init__(verifier_class(config), "target", config)
         self._size_batches(self._verify_batch, config)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:

@@ -184,6 +184,12 @@ class ModelConfig(_Section):
             return self.runner
         return "static" if self.device.startswith("cuda") else "dynamic"
 
+    def measures_exact_widths(self) -> bool:
+        """Whether a replica's calibration measures exact widths: the dynamic runner's, unless
+        `exact_widths` is false (the static runner measures its own shapes at start-up,
+        specdec.worker.static.shapes)."""
+        return self.exact_widths is not False and self.resolved_runner() == "dynamic"
+
     def gemm_for(self, side: str) -> str:
         """The GEMM setting of the "draft" or "target" side, its null resolved: `auto`,
         `plain`, `wm`, `dnnl` or `bf16w`."""

@@ -25,6 +25,7 @@ from specdec.v1 import worker_pb2
 from specdec.worker.info import replica_info
 from specdec.worker.proposer import DraftProposer
 from specdec.worker.session import DEFERRED
+from specdec.worker.static.sides import proposer_class, verifier_class
 from specdec.worker.verifier import TargetVerifier
 
 
@@ -138,8 +139,8 @@ class SpeculativeEngine:
         self.tokenizer = target.tokenizer
         calibrations = calibrations or {}
         self.transport = LocalTransport(
-            DraftProposer(draft, self.config, calibrations.get("draft")),
-            TargetVerifier(target, self.config, calibrations.get("target")),
+            proposer_class(self.config)(draft, self.config, calibrations.get("draft")),
+            verifier_class(self.config)(target, self.config, calibrations.get("target")),
         )
         # What each side's replica would report (its model and cost table), so that the
         # limits and the cost prior are built as the router builds them.
@@ -187,7 +188,7 @@ class SpeculativeEngine:
                 gemm=models.gemm_for(side),
                 device=models.device,
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
-                exact_widths=models.exact_widths is not False,
+                exact_widths=models.measures_exact_widths(),
                 max_batch_size=models.max_batch_size,
                 cache=CalibrationCache.configured(models.calibration_cache),
             )

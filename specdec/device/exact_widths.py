@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -116,8 +116,10 @@ def measure_exact_width_sets(
     generator: torch.Generator,
     elements: int = 500_000,
     max_trials: int = 2048,
+    widths: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Groups the widths 1 .. max_width by the bitwise result their forwards give a row.
+    """Groups the widths 1 .. max_width (or only ``widths``) by the bitwise result their
+    forwards give a row.
 
     Every distinct linear layer (the GEMMs, where kernels pick a code path by the number of rows
     and split rows between threads) is called on the same random rows at every width; two
@@ -142,13 +144,14 @@ def measure_exact_width_sets(
             # By features, not weight.shape: a "+dnnl" layer's plain weight may be freed.
             key = (module.out_features, module.in_features, module.weight.dtype)
             layers.setdefault(key, module)
-    widths = range(1, max_width + 1)
+    widths = sorted(widths) if widths is not None else range(1, max_width + 1)
+    max_width = max(widths)
     same = {(a, b): True for a in widths for b in widths if a < b}
     invariant = dict.fromkeys(widths, True)
     for layer in layers.values():
         trials = min(max_trials, max(1, -(-elements // (layer.out_features * max_width))))
         for _ in range(trials):
-            _compare_widths(layer, max_width, generator, same, invariant)
+            _compare_widths(layer, widths, generator, same, invariant)
     sets: list[list[int]] = []
     for width in (w for w in widths if invariant[w]):
         home = next((s for s in sets if all(same[(m, width)] for m in s)), None)
@@ -162,17 +165,17 @@ def measure_exact_width_sets(
 @torch.inference_mode()
 def _compare_widths(
     layer: torch.nn.Linear,
-    max_width: int,
+    widths: Sequence[int],
     generator: torch.Generator,
     same: dict[tuple[int, int], bool],
     invariant: dict[int, bool],
 ) -> None:
     """One trial of measure_exact_width_sets on one layer; clears the flags it disproves."""
     weight = layer.weight
-    rows = torch.randn(1, max_width, layer.in_features, generator=generator)
+    rows = torch.randn(1, max(widths), layer.in_features, generator=generator)
     rows = rows.to(dtype=weight.dtype, device=weight.device)
     outputs = {}
-    for width in range(1, max_width + 1):
+    for width in widths:
         outputs[width] = layer(rows[:, :width])
         if invariant[width] and width > 1:
             order = torch.randperm(width, generator=generator).to(weight.device)

@@ -39,14 +39,19 @@ def gpu_config_text() -> str:
 
 
 def cpu_demo_config(gpu: dict) -> dict:
-    """The GPU Serve config made to run on CPU pods: float32 on the CPU, no GPUs or accelerator
-    types requested, at most CPU_DEMO_MAX_REPLICAS replicas per deployment. Pools stay as they
-    are."""
+    """The GPU Serve config made to run on CPU pods: float32 on the CPU with the CPU's runner
+    (dynamic), no GPUs or accelerator types requested, at most CPU_DEMO_MAX_REPLICAS replicas
+    per deployment. Pools stay as they are."""
     config = copy.deepcopy(gpu)
     for app in config["applications"]:
         if app["name"] != APPLICATION:
             continue
-        app["args"].update(dtype="float32", device="cpu", cache_capacity_bytes=CPU_DEMO_CACHE_BYTES)
+        app["args"].update(
+            dtype="float32",
+            device="cpu",
+            runner="dynamic",
+            cache_capacity_bytes=CPU_DEMO_CACHE_BYTES,
+        )
         for deployment in app["deployments"]:
             options = deployment.get("ray_actor_options", {})
             options.pop("num_gpus", None)

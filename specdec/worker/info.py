@@ -18,7 +18,7 @@ def replica_info(side: SessionModel, config: SpecdecConfig) -> worker_pb2.Replic
         name=loaded.name,
         dtype=str(calibration.candidate) if calibration is not None else "",
         vocab_size=loaded.vocab_size,
-        context_limit=loaded.context_limit,
+        context_limit=side.context_limit,
         eos_token_ids=sorted(loaded.eos_token_ids),
         costs=cost_table(calibration, config),
     )

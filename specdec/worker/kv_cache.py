@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from transformers import Cache
@@ -46,6 +47,7 @@ class SessionEntry:
     nbytes: int = 0
     prompt_len: int = 0  # leading committed tokens that are the prompt (its prefill's width)
     last_used_s: float = 0.0  # the store's clock at the last commit
+    in_flight: bool = False  # checked out by a call that has not ended
 
     def crop(self, length: int) -> None:
         """Drops KV beyond the first ``length`` cached tokens."""
@@ -69,6 +71,48 @@ class ActiveSession:
     pending: list[int]
 
 
+class CacheBacking(Protocol):
+    """Where a store's caches come from and what they hold: GrowingCaches (a transformers cache
+    per session, as large as it has grown) or specdec.worker.static.slots.SlotAllocator (a slot
+    of a preallocated pool per session)."""
+
+    def allocate(self) -> Cache | None:
+        """A new, empty cache; None when none is free (the store then evicts and asks again)."""
+
+    def nbytes(self, cache: Cache) -> int:
+        """Bytes the cache holds."""
+
+    def compact(self, cache: Cache) -> None:
+        """Frees what the cache holds beyond its tokens, keeping its outputs unchanged."""
+
+    def free(self, cache: Cache) -> None:
+        """Takes back a cache no entry uses any more."""
+
+
+class GrowingCaches:
+    """CacheBacking of transformers caches that grow with their session (DynamicCache): bytes
+    are the storages they hold (cache_nbytes), compacted after crops (compact_cache).
+
+    Args:
+        new_cache: makes an empty cache.
+    """
+
+    def __init__(self, new_cache: Callable[[], Cache]) -> None:
+        self._new_cache = new_cache
+
+    def allocate(self) -> Cache:
+        return self._new_cache()
+
+    def nbytes(self, cache: Cache) -> int:
+        return cache_nbytes(cache)
+
+    def compact(self, cache: Cache) -> None:
+        compact_cache(cache)
+
+    def free(self, cache: Cache) -> None:
+        """Nothing to do: the garbage collector takes the tensors."""
+
+
 class SessionCacheStore:
     """LRU of session caches bounded in bytes: the storages their key and value tensors hold.
 
@@ -86,6 +130,12 @@ class SessionCacheStore:
     Thread-safe for calls of different sessions; calls of one session must not overlap (the round
     loop never overlaps them).
 
+    The caches come from ``backing`` (CacheBacking). A cache goes back to it when its entry
+    leaves the store while no call has it checked out, or when the call that has it ends
+    without storing it (released meanwhile, or the call failed): a slot is never reused under
+    a forward that still writes it. When the backing has no cache free, checkout evicts least
+    recently used entries that no call has checked out until it has one.
+
     Raises:
         ValueError: capacity_bytes <= 0 or idle_s < 0.
     """
@@ -93,7 +143,7 @@ class SessionCacheStore:
     def __init__(
         self,
         capacity_bytes: int,
-        new_cache: Callable[[], Cache],
+        backing: CacheBacking,
         idle_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -103,7 +153,7 @@ class SessionCacheStore:
             raise ValueError(f"idle_s must be >= 0 (0: never expire), got {idle_s}")
         self.capacity_bytes = capacity_bytes
         self.idle_s, self._clock = idle_s, clock
-        self._new_cache = new_cache
+        self._backing = backing
         self._entries: collections.OrderedDict[str, SessionEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._bytes = 0
@@ -125,7 +175,7 @@ class SessionCacheStore:
         if session.prefix_len == 0:
             if entry is None:
                 # Without a prompt_len, the first call's sequence is taken as the prompt.
-                entry = SessionEntry(cache=self._new_cache(), prompt_len=len(new_ids))
+                entry = SessionEntry(cache=self._allocate(), prompt_len=len(new_ids))
             committed = new_ids
         elif entry is not None and len(entry.committed) == session.prefix_len:
             committed = entry.committed + new_ids
@@ -144,17 +194,22 @@ class SessionCacheStore:
             keep = 0  # a partly cached prompt is prefilled again whole, as it first was
         entry.crop(keep)
         entry.committed = committed
+        entry.in_flight = True
         return ActiveSession(session.session_id, entry, committed, committed[keep:])
 
     def commit(self, active: ActiveSession) -> None:
         """Stores the entry back as most recently used and evicts others past capacity."""
         entry = active.entry
-        compact_cache(entry.cache)
-        size = cache_nbytes(entry.cache)
+        self._backing.compact(entry.cache)
+        size = self._backing.nbytes(entry.cache)
         with self._lock:
+            entry.in_flight = False
             if active.session_id in self._released:
+                self._backing.free(entry.cache)
                 return
             old = self._entries.pop(active.session_id, None)
+            if old is not None and old is not entry:
+                self._drop_locked(old)
             self._bytes -= old.nbytes if old is not None else 0
             entry.nbytes, entry.last_used_s = size, self._clock()
             self._entries[active.session_id] = entry
@@ -163,7 +218,43 @@ class SessionCacheStore:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
                 self.evictions += 1
+                self._drop_locked(evicted)
             self._expire_locked()
+
+    def abort(self, active: ActiveSession) -> None:
+        """Ends a call that failed: its entry is dropped (its cache may disagree with the ids it
+        records) and the next call of the session rebuilds it."""
+        with self._lock:
+            active.entry.in_flight = False
+            if self._entries.get(active.session_id) is active.entry:
+                del self._entries[active.session_id]
+                self._bytes -= active.entry.nbytes
+                self.evictions += 1
+            self._backing.free(active.entry.cache)
+
+    def _allocate(self) -> Cache:
+        """A cache from the backing, evicting least recently used entries that are not checked
+        out while it has none free.
+
+        Raises:
+            RuntimeError: every cache is held by a call in flight (a batch larger than the
+                backing's capacity in sessions).
+        """
+        while (cache := self._backing.allocate()) is None:
+            with self._lock:
+                idle = next((s for s, e in self._entries.items() if not e.in_flight), None)
+                if idle is None:
+                    raise RuntimeError("every session cache is held by a call in flight")
+                evicted = self._entries.pop(idle)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+                self._backing.free(evicted.cache)
+        return cache
+
+    def _drop_locked(self, entry: SessionEntry) -> None:
+        """Gives an entry that left the store its cache back, unless a call still has it."""
+        if not entry.in_flight:
+            self._backing.free(entry.cache)
 
     def expire(self) -> int:
         """Drops the entries idle for more than ``idle_s`` seconds (none when idle_s is 0);
@@ -182,6 +273,7 @@ class SessionCacheStore:
                 break
             del self._entries[session_id]
             self._bytes -= oldest.nbytes
+            self._drop_locked(oldest)
             dropped += 1
         self.expirations += dropped
         return dropped
@@ -195,6 +287,7 @@ class SessionCacheStore:
             entry = self._entries.pop(session_id, None)
             if entry is not None:
                 self._bytes -= entry.nbytes
+                self._drop_locked(entry)
         return entry is not None
 
     def evict(self, session_id: str) -> bool:
@@ -204,6 +297,7 @@ class SessionCacheStore:
             if entry is not None:
                 self._bytes -= entry.nbytes
                 self.evictions += 1
+                self._drop_locked(entry)
         return entry is not None
 
     def stats(self) -> worker_pb2.CacheStats:

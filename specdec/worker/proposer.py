@@ -99,7 +99,7 @@ class DraftProposer(SessionModel):
     ) -> list[worker_pb2.ProposeResponse]:
         """propose_batch over requests of distinct sessions."""
         with self.checked_out([request.session for request in requests]) as actives:
-            drafts = [_Draft(r, a) for r, a in zip(requests, actives) if a is not None]
+            drafts = [Draft(r, a) for r, a in zip(requests, actives) if a is not None]
             greedy = [d for d in drafts if d.generator is None]
             groups = [greedy] if greedy else []
             groups += [[d] for d in drafts if d.generator is not None]
@@ -111,7 +111,7 @@ class DraftProposer(SessionModel):
             for a in actives
         ]
 
-    def _draft_together(self, drafts: list[_Draft]) -> None:
+    def _draft_together(self, drafts: list[Draft]) -> None:
         """Catches every session of ``drafts`` up and drafts until each one stops."""
         start = time.perf_counter()
         logits = self._step([(d.active, d.active.pending) for d in drafts])
@@ -138,7 +138,7 @@ class DraftProposer(SessionModel):
         ]
 
 
-class _Draft:
+class Draft:
     """One session's draft in progress: the tokens so far and, when sampling, their q rows."""
 
     def __init__(self, request: worker_pb2.ProposeRequest, active: ActiveSession) -> None:
@@ -173,6 +173,10 @@ class _Draft:
             self.q_probs.append(values[0])
         self.tokens.append(token)
         self.confidences.append(confidence)
+        return self.complete()
+
+    def complete(self) -> bool:
+        """k tokens drafted, or the product of their confidences fell below the floor."""
         return len(self.tokens) == self.k or math.prod(self.confidences) < self.floor
 
     def response(self) -> worker_pb2.ProposeResponse:

@@ -13,7 +13,13 @@ from specdec.config import SpecdecConfig
 from specdec.device.calibration.results import Calibration
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
-from specdec.worker.kv_cache import ActiveSession, SessionCacheStore, SessionEntry
+from specdec.worker.kv_cache import (
+    ActiveSession,
+    CacheBacking,
+    GrowingCaches,
+    SessionCacheStore,
+    SessionEntry,
+)
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -51,15 +57,21 @@ class SessionModel:
     ) -> None:
         self.loaded = loaded
         self.calibration = calibration
+        self.context_limit = loaded.context_limit  # tokens a session may hold
         self.sessions = SessionCacheStore(
             config.models.cache_capacity_bytes,
-            lambda: DynamicCache(config=loaded.model.config),
+            self.cache_backing(loaded, config),
             idle_s=config.models.cache_idle_s,
         )
         self.prefill_budget: int | None = None
         if calibration is not None:
             per_token = calibration.chosen.prefill_s_per_token
             self.prefill_budget = int(config.models.batch_prefill_s / max(per_token, 1e-9))
+
+    def cache_backing(self, loaded: LoadedModel, config: SpecdecConfig) -> CacheBacking:
+        """Where the session caches come from: a transformers DynamicCache each (a static
+        runner's subclass gives slots of its pool instead)."""
+        return GrowingCaches(lambda: DynamicCache(config=loaded.model.config))
 
     @contextlib.contextmanager
     def session(self, tokens: worker_pb2.SessionTokens) -> Iterator[ActiveSession | None]:
@@ -127,7 +139,7 @@ class SessionModel:
         except BaseException:
             for active in actives:
                 if active is not None:
-                    self.sessions.evict(active.session_id)
+                    self.sessions.abort(active)
             raise
         for active in actives:
             if active is not None:

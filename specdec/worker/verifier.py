@@ -49,7 +49,7 @@ class TargetVerifier(SessionModel):
                 [Candidate(_dtype_name(loaded.model.dtype))],
                 max_speculative_tokens=config.speculation.max_speculative_tokens,
                 automatic=False,
-                exact_widths=config.models.exact_widths is not False,
+                exact_widths=config.models.measures_exact_widths(),
                 max_batch_size=config.models.max_batch_size,
             )
         super().__init__(loaded, config, calibration)

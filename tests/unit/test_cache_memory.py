@@ -21,6 +21,7 @@ from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import (
     COMPACT_WASTE_FRACTION,
     ActiveSession,
+    GrowingCaches,
     SessionCacheStore,
     SessionEntry,
     cache_nbytes,
@@ -86,7 +87,7 @@ def test_commit_copies_a_mostly_wasted_storage_and_keeps_the_values():
     expected = [(la.keys[..., :8, :].clone(), la.values[..., :8, :].clone()) for la in cache.layers]
     old_storages = {layer.keys.untyped_storage().data_ptr() for layer in cache.layers}
     SessionEntry(cache=cache, cached_ids=list(range(40))).crop(8)
-    store = SessionCacheStore(10**6, DynamicCache)
+    store = SessionCacheStore(10**6, GrowingCaches(DynamicCache))
     _commit(store, "s", cache, 8)
     assert store.stats().bytes == _tensor_bytes(cache) == _real_bytes([cache])
     for layer, (keys, values) in zip(cache.layers, expected):
@@ -101,7 +102,7 @@ def test_commit_leaves_a_slightly_wasted_storage_and_counts_all_of_it():
     SessionEntry(cache=cache, cached_ids=list(range(100))).crop(96)
     assert COMPACT_WASTE_FRACTION >= (100 - 96) / 96
     storages = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
-    store = SessionCacheStore(10**6, DynamicCache)
+    store = SessionCacheStore(10**6, GrowingCaches(DynamicCache))
     _commit(store, "s", cache, 96)
     assert [layer.keys.untyped_storage().data_ptr() for layer in cache.layers] == storages
     assert store.stats().bytes == _real_bytes([cache]) > _tensor_bytes(cache)
@@ -129,7 +130,7 @@ def test_the_bound_is_enforced_on_real_bytes():
     """Three sessions whose tensors fit the capacity but whose storages do not: the least
     recently used one is evicted."""
     per_session = _real_bytes([_filled_cache(100)])
-    store = SessionCacheStore(3 * per_session - 1, DynamicCache)
+    store = SessionCacheStore(3 * per_session - 1, GrowingCaches(DynamicCache))
     for name in "abc":
         cache = _filled_cache(100)
         SessionEntry(cache=cache, cached_ids=list(range(100))).crop(97)
@@ -223,7 +224,7 @@ def test_sessions_idle_past_idle_s_expire_and_their_next_call_rebuilds():
     """A stranded session (its release went to another replica) frees its memory after idle_s,
     while a session used within idle_s stays; the expired one's next call misses."""
     clock = _Clock()
-    store = SessionCacheStore(10**6, DynamicCache, idle_s=100, clock=clock)
+    store = SessionCacheStore(10**6, GrowingCaches(DynamicCache), idle_s=100, clock=clock)
     _commit(store, "stranded", _filled_cache(30, seed=5), 30)
     _commit(store, "live", _filled_cache(20, seed=6), 20)
     clock.now = 60
@@ -242,8 +243,8 @@ def test_sessions_idle_past_idle_s_expire_and_their_next_call_rebuilds():
 
 def test_a_commit_expires_idle_sessions_too_and_idle_s_0_never_expires():
     clock = _Clock()
-    expiring = SessionCacheStore(10**6, DynamicCache, idle_s=10, clock=clock)
-    keeping = SessionCacheStore(10**6, DynamicCache, clock=clock)
+    expiring = SessionCacheStore(10**6, GrowingCaches(DynamicCache), idle_s=10, clock=clock)
+    keeping = SessionCacheStore(10**6, GrowingCaches(DynamicCache), clock=clock)
     for store in (expiring, keeping):
         _commit(store, "old", _filled_cache(8), 8)
     clock.now = 1e6
@@ -255,4 +256,4 @@ def test_a_commit_expires_idle_sessions_too_and_idle_s_0_never_expires():
 
 def test_a_negative_idle_s_is_refused():
     with pytest.raises(ValueError, match="idle_s"):
-        SessionCacheStore(10**6, DynamicCache, idle_s=-1)
+        SessionCacheStore(10**6, GrowingCaches(DynamicCache), idle_s=-1)

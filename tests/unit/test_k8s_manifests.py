@@ -327,6 +327,28 @@ def test_gpu_groups_sit_on_their_own_gpu_node_pools(rendered):
     assert selectors[0] != selectors[1], "draft and target share a node pool"
 
 
+def test_draft_and_target_share_a_gpu_class_and_the_router_prefers_target_hosts(rendered):
+    """The draft on the target's GPU class (a slower draft GPU eats the speedup), and router pods
+    placed by preference on the hosts of target pods, spread one per host (docs/kubernetes.md,
+    "Router placement"): the affinity's selector must match the target pods' own labels."""
+    name, docs = rendered
+    rayservice = _one(docs, "RayService")
+    app = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == "specdec")
+    options = {d["name"]: d.get("ray_actor_options", {}) for d in app["deployments"]}
+    types = {options[n].get("accelerator_type") for n in ("DraftModel", "TargetModel")}
+    assert len(types) == 1, types
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    router = groups["router"]["template"]["spec"]["affinity"]
+    target_group = next(g for g in groups.values() if "target_pool" in g["resources"])
+    router_labels = groups["router"]["template"]["metadata"]["labels"]
+    target_labels = target_group["template"]["metadata"]["labels"]
+    for kind, labels in (("podAffinity", target_labels), ("podAntiAffinity", router_labels)):
+        (term,) = router[kind]["preferredDuringSchedulingIgnoredDuringExecution"]
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        assert selector.items() <= labels.items(), (name, kind)
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
 def test_security(rendered):
     name, docs = rendered
     rayservice = _one(docs, "RayService")

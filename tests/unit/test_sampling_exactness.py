@@ -47,7 +47,12 @@ TOP_N = 4  # the truncating draft's q: 4 of the 32 tokens
 NEIGHBOURS = 8  # requests served together: their verify calls share batched forwards
 
 
-ENGINES = {"far_engine": {}, "truncating_engine": {"draft_top_n": TOP_N}}
+ENGINES = {
+    "far_engine": {},
+    "truncating_engine": {"draft_top_n": TOP_N},
+    # the static runner (specdec.worker.static): sampled rows go through the host's sampler
+    "static_engine": {"runner": "static", "max_model_len": 64, "cache_capacity_bytes": 2**24},
+}
 WORKERS = 2  # processes sharing the seeds: each request's forwards run one thread at a time
 
 
@@ -190,7 +195,9 @@ def _fit_pvalue(observed, probs):
     ],
     ids=["temperature", "top_k", "top_p"],
 )
-@pytest.mark.parametrize("engine_name", ENGINES, ids=["whole-q", "truncated-q"])
+@pytest.mark.parametrize(
+    "engine_name", ["far_engine", "truncating_engine"], ids=["whole-q", "truncated-q"]
+)
 def test_speculative_sampling_matches_target_only_sampling(
     far_engine, sampled, engine_name, params, ks
 ):
@@ -203,6 +210,18 @@ def test_speculative_sampling_matches_target_only_sampling(
         for position in range(2):
             pvalue = _fit_pvalue(counts[position], exact[position])
             assert pvalue > 1e-3, (k, position, pvalue)
+
+
+@pytest.mark.slow
+def test_static_runner_sampling_matches_target_only_sampling(far_engine, sampled):
+    """The static runner's verify hands a sampled session's scored rows to the rejection
+    sampler and drafts it step by step: its output follows the target's distribution too."""
+    params = {"temperature": 1.0}
+    exact = _exact(far_engine, params)
+    counts, _ = sampled("static_engine", 2, params)
+    for position in range(2):
+        pvalue = _fit_pvalue(counts[position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
 
 
 @pytest.mark.slow

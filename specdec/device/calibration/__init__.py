@@ -24,7 +24,7 @@ reports all of it.
 
 The modules, one job each: candidates (what is tried, in which order), results (what was
 found), measure (one candidate's costs and exact widths), choice (which candidate wins),
-casting (a float32 model in each candidate's dtype), host (one measurement at a time on a
+casting (the loaded model in each candidate's dtype), host (one measurement at a time on a
 host), load (the entry points: load_calibrated and calibrate). specdec.device.calibration_cache
 keeps calibrations on disk.
 """

@@ -1,5 +1,6 @@
-"""A float32 model cast to each candidate's dtype without a second float32 copy, and the memory
-the losing candidates held handed back to the OS."""
+"""A loaded model (float32 on a CPU, bfloat16 on a GPU: load.load_dtype) cast to each
+candidate's dtype without a second copy in the loaded dtype, and the memory the losing
+candidates held handed back to the OS."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ from specdec.models.loading import DTYPES, INT8, quantize_int8
 
 
 def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """A copy of a float32 model in ``dtype`` (int8: dynamically quantized), equal to
-    ``copy.deepcopy(model).to(dtype)`` (or quantize_int8 of the deepcopy) without ever holding
-    a second float32 set of weights: each floating parameter and buffer is cast on its own
-    (bfloat16, float16) or shared with ``model`` (int8: quantization reads the float weights and
-    packs its own). Measured need: the bundled target's bfloat16 candidate peaked at 2x its
-    float32 size (12.4 GB) through a whole-model deepcopy, and Ray's memory monitor killed the
-    local cluster's Serve controller on a 24 GiB machine; now it peaks at 1.5x."""
-    if dtype == "float32":
+    """A copy of ``model`` in ``dtype`` (int8: dynamically quantized, from a float32 model on a
+    CPU), equal to ``copy.deepcopy(model).to(dtype)`` (or quantize_int8 of the deepcopy)
+    without ever holding a second set of weights in the model's own dtype: each floating
+    parameter and buffer is cast on its own (float32, bfloat16, float16) or shared with
+    ``model`` (int8: quantization reads the float weights and packs its own). ``model`` itself
+    where ``dtype`` is already its parameters' dtype. Measured need: the bundled target's
+    bfloat16 candidate peaked at 2x its float32 size (12.4 GB) through a whole-model deepcopy,
+    and Ray's memory monitor killed the local cluster's Serve controller on a 24 GiB machine;
+    now it peaks at 1.5x."""
+    if dtype in DTYPES and DTYPES[dtype] == _parameter_dtype(model):
         return model
     quantize = dtype == INT8
     memo: dict[int, torch.Tensor] = {}
@@ -33,6 +36,11 @@ def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     if quantize:
         quantize_int8(copied)
     return copied
+
+
+def _parameter_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of ``model``'s first floating parameter (None without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,8 @@ from specdec.models.loading import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
+HALF_DTYPES = ("bfloat16", "float16")
+
 
 def load_calibrated(
     spec: str,
@@ -42,8 +44,8 @@ def load_calibrated(
     """Loads a model (specdec.models.loading.load_model) and calibrates it in the candidates of
     the ``dtype`` and ``gemm`` settings (candidates.configured; ``gemm`` None: its null, see
     specdec.config.default_gemm): the one configured, or, where either is ``auto``, the fastest
-    of several (of several dtypes: loaded in float32, each candidate a cast of it).
-    ``exact_widths`` and ``max_batch_size`` as for calibrate.
+    of several (of several dtypes: loaded in the dtype load_dtype gives, each candidate a cast
+    of it). ``exact_widths`` and ``max_batch_size`` as for calibrate.
 
     With a ``cache`` (specdec.device.calibration_cache), a calibration made before for the same
     architecture, settings and device is reused instead of measured (minutes on a CPU), once
@@ -70,7 +72,7 @@ def load_calibrated(
         return stored, reused
 
     with while_none_measures(device):
-        loaded = load_model(spec, dtype="float32" if casts else candidates[0].dtype, device=device)
+        loaded = load_model(spec, dtype=load_dtype(candidates, device), device=device)
         key = cache and cache.key(
             loaded.model,
             role,
@@ -104,9 +106,29 @@ def load_calibrated(
 
 
 def _casts(candidates: Sequence[Candidate]) -> bool:
-    """Whether ``candidates`` span several dtypes: the model is then loaded in float32 and each
-    dtype is a cast of it (casting.cast_model); else all run the model as loaded."""
+    """Whether ``candidates`` span several dtypes: the model is then loaded in load_dtype's
+    dtype and each dtype is a cast of it (casting.cast_model); else all run the model as
+    loaded."""
     return len({c.dtype for c in candidates}) > 1
+
+
+def load_dtype(candidates: Sequence[Candidate], device: str | torch.device) -> str:
+    """The dtype a model is loaded in to be calibrated as ``candidates`` (non-empty) on
+    ``device``: their one dtype; of several, float32 on a CPU (its candidates include float32
+    itself and int8, which quantizes float32 weights), elsewhere the first half-precision one
+    (bfloat16 of a GPU's bfloat16 and float16), so that no float32 copy of the weights ever
+    exists, on the device or on the host before it (load_model passes the dtype to
+    from_pretrained): a 14B target is 59 GB in float32, too much for an 80 GB GPU beside its KV
+    cache. The other half dtype is then a cast of it, equal to loading it directly for weights
+    stored in bfloat16 (Qwen2.5's checkpoints; a bundled model loads its bfloat16 conversion
+    whatever the dtype); weights stored in float16 or float32 lose bits through bfloat16, so
+    serve those with a fixed ``dtype``."""
+    dtypes = [c.dtype for c in candidates]
+    if len(set(dtypes)) == 1:
+        return dtypes[0]
+    if torch.device(device).type == "cpu":
+        return "float32"
+    return next((d for d in dtypes if d in HALF_DTYPES), "float32")
 
 
 def _reuse(
@@ -119,7 +141,7 @@ def _reuse(
     cast: bool,
 ) -> tuple[LoadedModel, Calibration] | None:
     """``loaded`` set up as ``stored`` chose (dtype, GEMM, row-wise attention; ``cast``: the
-    chosen dtype is a cast of the float32 ``loaded``), or None when its exact widths fail the
+    chosen dtype is a cast of ``loaded``, see load_dtype), or None when its exact widths fail the
     whole-model check here (the caller measures again)."""
     start = time.perf_counter()
     chosen = stored.candidate
@@ -162,9 +184,9 @@ def calibrate(
     """Measures ``loaded`` as each candidate and returns it as the fastest exact one.
 
     Args:
-        loaded: the model, loaded in float32 when the candidates span several dtypes (each
-            dtype is a cast of it: exact for weights stored in bfloat16 or float16), else in
-            their one dtype.
+        loaded: the model, loaded in load_dtype's dtype: when the candidates span several
+            dtypes, float32 on a CPU, the first half dtype elsewhere (each other dtype is a
+            cast of it: exact for weights stored in bfloat16), else their one dtype.
         role: "draft" or "target"; only a target's exact widths are measured, and only a target
             gets row_wise_attention (which its exact-width forwards need).
         candidates: e.g. candidates.candidates(role, device), or the one configured.

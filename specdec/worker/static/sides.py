@@ -1,0 +1,188 @@
+"""The draft and target sides on the static runner (models.runner: static): the same requests,
+responses, session semantics and acceptance rules as specdec.worker.proposer and
+specdec.worker.verifier, with the forwards, the greedy acceptance and the greedy draft's steps
+run by specdec.worker.static.runner over a slot pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specdec.config import SpecdecConfig
+from specdec.device.calibration.results import Calibration
+from specdec.models.loading import LoadedModel
+from specdec.v1 import worker_pb2
+from specdec.worker.kv_cache import ActiveSession, CacheBacking
+from specdec.worker.proposer import Draft, DraftProposer
+from specdec.worker.static.runner import StaticRunner, VerifyJob, VerifyOutcome, synchronize
+from specdec.worker.static.shapes import invariant_shapes
+from specdec.worker.static.slots import SlotAllocator, SlotLayout, slot_layout
+from specdec.worker.verifier import TargetVerifier
+
+log = logging.getLogger(__name__)
+
+
+def layout_for(loaded: LoadedModel, config: SpecdecConfig) -> SlotLayout:
+    """The slot pool a side of ``config`` allocates for ``loaded``: the verify width is
+    k_max + 1 (the draft's catch-up runs at the same width)."""
+    models = config.models
+    return slot_layout(
+        loaded.model.config,
+        loaded.model.dtype,
+        capacity_bytes=models.cache_capacity_bytes,
+        max_batch_size=models.max_batch_size,
+        width=config.speculation.max_speculative_tokens + 1,
+        max_model_len=models.max_model_len,
+    )
+
+
+class _Slots:
+    """What both static sides add to SessionModel: slot caches and the runner."""
+
+    runner: StaticRunner
+    layout: SlotLayout
+
+    def cache_backing(self, loaded: LoadedModel, config: SpecdecConfig) -> CacheBacking:
+        """Slots of the runner's pool; the store's byte bound is the pool's slots."""
+        self.layout = layout_for(loaded, config)
+        return SlotAllocator(self.layout)
+
+    def _start_runner(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
+        self.runner = StaticRunner(loaded, self.layout, config.models.max_batch_size)
+        self.sessions.capacity_bytes = self.layout.slot_bytes * self.layout.num_slots
+        self.context_limit = min(loaded.context_limit, self.layout.context_limit)
+
+
+class StaticVerifier(_Slots, TargetVerifier):
+    """TargetVerifier on the static runner.
+
+    Greedy output is bitwise the runner's own k = 0 output: every decode row runs in the same
+    forward shape whatever k is, in batches of the buckets the runner keeps, and a rebuild
+    replays the prompt's prefill. Sampled requests get their scored rows' logits on the host and
+    the rejection sampler of specdec.worker.rejection, as in TargetVerifier.
+
+    Args:
+        loaded, config, calibration: as TargetVerifier (the calibration prices the device;
+            the runner does not use its exact widths).
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, config: SpecdecConfig, calibration: Calibration | None = None
+    ) -> None:
+        super().__init__(loaded, config, calibration)
+        self._start_runner(self.loaded, config)
+        runner = self.runner
+        generator = torch.Generator().manual_seed(0)
+        runner.batch_buckets, runner.key_lens = invariant_shapes(runner, generator)
+        log.info(
+            "static runner: batch buckets %s, key lengths %s, %d slots of %d positions",
+            runner.batch_buckets,
+            runner.key_lens,
+            self.layout.num_slots,
+            self.layout.slot_len,
+        )
+
+    def _verify_distinct(
+        self, requests: list[worker_pb2.VerifyRequest]
+    ) -> list[worker_pb2.VerifyResponse]:
+        """verify_batch over requests of distinct sessions, on the runner."""
+        with self.checked_out([request.session for request in requests]) as actives:
+            live = [(r, a) for r, a in zip(requests, actives) if a is not None]
+            outcomes = iter(self.runner.verify([self._job(r, a) for r, a in live]))
+            responses = [
+                self._respond(request, active, next(outcomes))
+                if active is not None
+                else worker_pb2.VerifyResponse(cache_miss=True)
+                for request, active in zip(requests, actives)
+            ]
+        rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
+        for response in responses:
+            if not response.cache_miss:
+                response.batch_sessions, response.batch_rows = len(live), rows
+        return responses
+
+    def _job(self, request: worker_pb2.VerifyRequest, active: ActiveSession) -> VerifyJob:
+        """Prefills the session's prompt if its slot lacks it (alone, as it first ran); the
+        rest of its tokens go to the runner's fixed-width forwards."""
+        drafts = list(request.draft_token_ids)
+        tokens, entry = active.pending + drafts, active.entry
+        prompt_todo = max(entry.prompt_len - len(entry.cached_ids), 0)
+        rest, head = tokens[prompt_todo:], None
+        if prompt_todo:
+            wanted = min(max(len(drafts) + 1 - len(rest), 1), prompt_todo)
+            logits = self.runner.prefill(entry, tokens[:prompt_todo], wanted)
+            head = logits if len(rest) < len(drafts) + 1 else None
+        sampled = request.sampling.temperature > 0
+        return VerifyJob(entry, rest, drafts, head, host_logits=sampled)
+
+    def _respond(
+        self, request: worker_pb2.VerifyRequest, active: ActiveSession, outcome: VerifyOutcome
+    ) -> worker_pb2.VerifyResponse:
+        if request.sampling.temperature > 0:
+            return self._accept(request, active, outcome.logits)
+        n = outcome.accepted
+        active.entry.crop(len(active.committed) + n)
+        return worker_pb2.VerifyResponse(
+            num_accepted=n,
+            token_ids=list(request.draft_token_ids)[:n] + [outcome.tokens[n]],
+            logprobs=outcome.log_probs[: n + 1],
+        )
+
+
+class StaticProposer(_Slots, DraftProposer):
+    """DraftProposer on the static runner: a greedy group's k steps are chained on the device
+    (StaticRunner.chain) and read once; a sampled session drafts step by step on the host, as
+    in DraftProposer, with each step's logits from the runner.
+
+    Args:
+        loaded, config, calibration: as DraftProposer.
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, config: SpecdecConfig, calibration: Calibration | None = None
+    ) -> None:
+        super().__init__(loaded, config, calibration)
+        self._start_runner(self.loaded, config)
+
+    def _step(self, feeds: list[tuple[ActiveSession, list[int]]]) -> list[torch.Tensor]:
+        """Each session's [vocab] logits after its tokens, on the host."""
+        _, _, logits = self.runner.catch_up([(active.entry, ids) for active, ids in feeds])
+        return list(logits.cpu())
+
+    def _draft_together(self, drafts: list[Draft]) -> None:
+        if any(draft.generator is not None for draft in drafts):
+            super()._draft_together(drafts)
+            return
+        start = time.perf_counter()
+        entries = [draft.active.entry for draft in drafts]
+        tokens, confidences, _ = self.runner.catch_up(
+            [(draft.active.entry, draft.active.pending) for draft in drafts]
+        )
+        synchronize(self.runner.device)  # the catch-up's seconds price it apart from the steps
+        catchup_s = time.perf_counter() - start
+        steps = max(draft.k for draft in drafts) - 1
+        chained, chained_confidences = self.runner.chain(entries, tokens, max(steps, 0))
+        picked = torch.cat([tokens[:, None], chained], 1).float()
+        host = torch.stack([picked, torch.cat([confidences[:, None], chained_confidences], 1)])
+        host = host.cpu()
+        for i, draft in enumerate(drafts):
+            draft.catchup_s = catchup_s
+            for token, confidence in zip(host[0, i, : draft.k], host[1, i, : draft.k]):
+                draft.tokens.append(int(token))
+                draft.confidences.append(float(confidence))
+                if draft.complete():
+                    break
+            # The chain fed every kept token but the last; the slot holds the rest, masked.
+            draft.active.entry.cached_ids.extend(draft.tokens[:-1])
+
+
+def proposer_class(config: SpecdecConfig) -> type[DraftProposer]:
+    """The draft side models.runner asks for: StaticProposer or DraftProposer."""
+    return StaticProposer if config.models.resolved_runner() == "static" else DraftProposer
+
+
+def verifier_class(config: SpecdecConfig) -> type[TargetVerifier]:
+    """The target side models.runner asks for: StaticVerifier or TargetVerifier."""
+    return StaticVerifier if config.models.resolved_runner() == "static" else TargetVerifier
