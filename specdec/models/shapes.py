@@ -163,7 +163,7 @@ def save_random(
     from there; nothing is held twice.
     """
     tokenizer = byte_tokenizer(vocab_size)
-    eos = {tokenizer.eos_token_id, *_ids(config.eos_token_id)}
+    eos = {tokenizer.eos_token_id, *end_ids(config)}
     model = random_model(config, device=device, dtype=dtype, seed=seed, never_emit=eos)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -188,7 +188,9 @@ def save_random_pair(
     )
 
 
-def _ids(value: int | list[int] | None) -> list[int]:
+def end_ids(config: PretrainedConfig) -> list[int]:
+    """The end-of-sequence ids ``config`` names (none, one or several)."""
+    value = config.eos_token_id
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)

@@ -59,7 +59,8 @@ BUDGET_S = {
     "service": (150, 120),
     "pytest": (120, 30),
 }
-QUICK_BUDGET_S = {stage: (60, 5) for stage in STAGES}
+# A 2-core CPU starts the local cluster and deploys the toy pair in 30-90 s.
+QUICK_BUDGET_S = {stage: (60, 5) for stage in STAGES} | {"service": (180, 5)}
 K_MAX = 8  # the shipped gpu.yaml's max_speculative_tokens
 START = time.monotonic()
 
@@ -98,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.left_out = [s for s in STAGES if s not in wanted or s in args.skip.split(",")]
     args.run = [s for s in STAGES if s not in args.left_out]
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.workdir, args.json = args.workdir.resolve(), args.json.resolve()
     return args
 
 
@@ -149,9 +151,11 @@ def run_stage(stage: str, args: argparse.Namespace, limit_s: float, report: Repo
     partial.unlink(missing_ok=True)
     logs = args.workdir / "logs" / f"{stage}.log"
     logs.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, __file__, *sys.argv[1:], "--child", stage, "--child-out", partial]
+    command = [sys.executable, __file__, "--device", args.device, "--dtype", args.dtype]
+    command += ["--quick"] * args.quick + ["--no-compile"] * args.no_compile
+    command += ["--workdir", args.workdir, "--child", stage, "--child-out", partial]
     command += ["--child-limit", f"{limit_s:.0f}"]
-    paths = [*import_roots(args.workdir), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+    paths = [*args.import_roots, str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, paths)),
@@ -191,10 +195,14 @@ def run_stage(stage: str, args: argparse.Namespace, limit_s: float, report: Repo
             if status == "timeout"
             else f"exited with status {status}: {_tail(logs)}"
         )
-        own = {**own, "status": "timeout" if status == "timeout" else "error", "error": error}
+        verdict = {"status": "timeout" if status == "timeout" else "error", "error": error}
+        own = {**own, **verdict}
+        # What the child recorded under other keys (the runner stage's "engine") and never
+        # finished ends the same way.
+        report.update({k: {**r, **verdict} for k, r in records.items() if "status" not in r})
     report.update({stage: {**own, "seconds": seconds, "log": str(logs)}})
     if stage == "service" and status != 0:
-        _stop_service_cluster(args.workdir)
+        _stop_service_cluster(args)
     log(f"{stage}: {report.data['stages'][stage]['status']} in {seconds} s")
 
 
@@ -234,18 +242,18 @@ def _tail(path: Path, chars: int = 1500) -> str:
         return "(no log)"
 
 
-def _stop_service_cluster(workdir: Path) -> None:
+def _stop_service_cluster(args: argparse.Namespace) -> None:
     """A killed service stage leaves its local cluster running (own sessions): stop exactly
     that cluster's processes, by the pids its state file records."""
-    sys.path.insert(0, str(ROOT))
-    from specdec.cluster import local
-
+    sys.path[:0] = args.import_roots
     try:
-        stopped = local.down(workdir / "cluster")
+        from specdec.cluster import local
+
+        stopped = local.down(args.workdir / "cluster")
         if stopped:
             log(f"service: stopped the stage's cluster (pids {stopped})")
-    except RuntimeError as error:
-        log(f"service: could not stop its cluster: {error}")
+    except Exception as error:  # noqa: BLE001 - reported; the next stage still runs
+        log(f"service: could not stop its cluster: {type(error).__name__}: {error}")
 
 
 def summary(stages: dict) -> dict:
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_stages.run_child(
             args.child, settings(args) | {"limit_s": args.child_limit}, args.child_out
         )
+    args.import_roots = import_roots(args.workdir)
     report = Report(args.json, args)
     report.update(
         {s: {"status": "skipped", "error": "left out (--stages, --skip)"} for s in args.left_out}

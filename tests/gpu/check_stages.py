@@ -236,7 +236,7 @@ def plain_generate(config, s: dict, new_tokens: int, save: Callable[[], Any]) ->
     out: dict[str, Any] = {"dtype": s["dtype"], "new_tokens": new_tokens}
     start = time.perf_counter()
     model = shapes.random_model(
-        config, device=device, dtype=s["dtype"], never_emit=shapes._ids(config.eos_token_id)
+        config, device=device, dtype=s["dtype"], never_emit=shapes.end_ids(config)
     )
     synchronize(device)
     out["build_s"] = round(time.perf_counter() - start, 2)
