@@ -1,0 +1,90 @@
+"""The static runner (runner: static, the GPU default) on the bundled real pair, on the CPU: the
+code a GPU captures as CUDA graphs, run eagerly on the real shapes (28 layers, grouped-query
+attention 12:2, a 151936-token vocabulary).
+
+In float32 its target-only output equals the dynamic runner's token for token; in bfloat16 (the
+serving dtype) its speculative output equals its own k = 0 bitwise, in a batch and after every
+session was evicted after every round. Skipped without the bundled pair, as test_real_pair."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from rebuilds import stream_evicting
+
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.models import bundled
+
+pytestmark = pytest.mark.e2e
+
+if not bundled.is_installed():
+    pytest.skip(
+        f"the bundled model pair is not installed; install it with: {bundled.INSTALL_HINT}",
+        allow_module_level=True,
+    )
+
+PROMPTS = ["def is_palindrome(text: str) -> bool:\n", "import json\n\ndef load(path):\n"]
+GREEDY = SamplingParams(max_new_tokens=12)
+STATIC = {
+    "runner": "static",
+    "max_model_len": 512,
+    "max_batch_size": 4,
+    "cache_capacity_bytes": 256 * 1024**2,
+}
+
+
+def test_float32_k0_equals_the_dynamic_runner(real_pair_args):
+    """Different attention arithmetic (one masked call over the slot against row-wise calls
+    over each prefix): last-bit differences in the logits, the same greedy tokens. The static
+    engine takes over the dynamic one's loaded models and calibrations (its runner switches
+    their attention), so the pair is loaded and measured once."""
+    dynamic = SpeculativeEngine.from_pretrained(
+        *bundled.bundled_pair("float32"),
+        dtype="float32",
+        exact_widths=False,
+        **_cache(real_pair_args),
+    )
+    expected = [dynamic.generate(p, GREEDY, 0).token_ids for p in PROMPTS]
+    sides = dynamic.transport
+    calibrations = {"draft": sides.proposer.calibration, "target": sides.verifier.calibration}
+    static = SpeculativeEngine(dynamic.draft, dynamic.target, calibrations=calibrations, **STATIC)
+    assert [static.generate(p, GREEDY, 0).token_ids for p in PROMPTS] == expected
+    del dynamic, static, sides
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def static_engine(real_pair_args):
+    engine = SpeculativeEngine.from_pretrained(
+        *bundled.bundled_pair("bfloat16"), dtype="bfloat16", **STATIC, **_cache(real_pair_args)
+    )
+    yield engine
+    del engine
+    gc.collect()
+
+
+def test_speculative_equals_k0_bitwise_alone_batched_and_rebuilt(static_engine):
+    engine = static_engine
+    expected = [engine.generate(p, GREEDY, 0) for p in PROMPTS]
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(p, GREEDY, 4) for p in PROMPTS))
+
+    accepted = 0
+    for prompt, k0, batched in zip(PROMPTS, expected, asyncio.run(together())):
+        alone = engine.generate(prompt, GREEDY, "auto")
+        for out in (alone, batched):
+            assert out.token_ids == k0.token_ids, prompt
+            assert out.logprobs == k0.logprobs, prompt
+        accepted += batched.stats.accepted_tokens
+    assert accepted > 0
+    sides = (engine.transport.proposer, engine.transport.verifier)
+    reference = (expected[0].token_ids, expected[0].logprobs)
+    assert stream_evicting(engine, PROMPTS[0], GREEDY, 4, sides) == reference
+
+
+def _cache(real_pair_args: dict) -> dict:
+    """This test session's calibration cache (conftest.real_pair_args)."""
+    return {"calibration_cache": real_pair_args["calibration_cache"]}
