@@ -168,6 +168,34 @@ def packed_forward(
     ]
 
 
+def decoder_hidden(
+    decoder: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    **attention: object,
+) -> torch.Tensor:
+    """The final hidden states of a Llama-like decoder (supports_packing) over ``input_ids``
+    ([B, n]) at ``position_ids`` ([B, n]), with no transformers cache: ``attention`` goes to
+    each layer's attention function, which reads and writes the keys and values itself.
+
+    Returns:
+        [B, n, hidden] after the final norm.
+    """
+    hidden = decoder.embed_tokens(input_ids)
+    rotary = decoder.rotary_emb(hidden, position_ids)
+    for layer in decoder.layers:
+        hidden = layer(
+            hidden,
+            attention_mask=None,
+            position_embeddings=rotary,
+            position_ids=position_ids,
+            cache=None,
+            use_cache=False,
+            **attention,
+        )
+    return decoder.norm(hidden)
+
+
 def _logit_rows(segments: list[Segment]) -> set[int]:
     """Indices, among all packed rows, of the rows whose logits are wanted."""
     wanted, end = set(), 0
@@ -199,19 +227,7 @@ def _forward_chunk(
         entry.cached_ids.extend(tokens)
     input_ids = torch.tensor([[t for _, t in chunk]], dtype=torch.long, device=device)
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-    hidden = decoder.embed_tokens(input_ids)
-    rotary = decoder.rotary_emb(hidden, position_ids)
-    for layer in decoder.layers:
-        hidden = layer(
-            hidden,
-            attention_mask=None,
-            position_embeddings=rotary,
-            position_ids=position_ids,
-            cache=None,
-            use_cache=False,
-            packed_runs=runs,
-        )
-    hidden = decoder.norm(hidden)
+    hidden = decoder_hidden(decoder, input_ids, position_ids, packed_runs=runs)
     if not keep:
         return hidden.new_empty(0, 0)
     index = keep + [keep[-1]] * ((exact.width_for(len(keep)) if exact else len(keep)) - len(keep))

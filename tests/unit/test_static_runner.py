@@ -74,11 +74,15 @@ def test_static_k0_equals_the_dynamic_runner_in_float32(static_engine, engine):
 
 @pytest.mark.parametrize("name", ["static_engine", "static_bf16_engine"])
 def test_requests_batched_together_get_what_each_gets_alone(request, name):
-    engine = request.getfixturevalue(name)
-    alone = [engine.generate(p, GREEDY, 3) for p in PROMPTS]
+    _assert_batched_equals_alone(request.getfixturevalue(name), GREEDY)
+
+
+def _assert_batched_equals_alone(engine: SpeculativeEngine, params: SamplingParams) -> None:
+    """Every prompt at k = 3 alone, then all of them at once (sharing batches): bitwise equal."""
+    alone = [engine.generate(p, params, 3) for p in PROMPTS]
 
     async def together():
-        return await asyncio.gather(*(engine.agenerate(p, GREEDY, 3) for p in PROMPTS))
+        return await asyncio.gather(*(engine.agenerate(p, params, 3) for p in PROMPTS))
 
     for prompt, single, batched in zip(PROMPTS, alone, asyncio.run(together())):
         assert batched.token_ids == single.token_ids, prompt
@@ -249,13 +253,5 @@ def test_more_requests_than_slots_evict_and_rebuild_exactly(tiny_pair):
     )
     verifier = engine.transport.verifier
     assert verifier.layout.num_slots == 4
-    params = SamplingParams(max_new_tokens=40)
-    alone = [engine.generate(p, params, 3) for p in PROMPTS]
-
-    async def together():
-        return await asyncio.gather(*(engine.agenerate(p, params, 3) for p in PROMPTS))
-
-    for prompt, single, batched in zip(PROMPTS, alone, asyncio.run(together())):
-        assert batched.token_ids == single.token_ids, prompt
-        assert batched.logprobs == single.logprobs, prompt
+    _assert_batched_equals_alone(engine, SamplingParams(max_new_tokens=40))
     assert verifier.sessions.stats().evictions > 0 and verifier.sessions.rebuilds > 0

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from specdec.worker.packed import decoder_hidden
 from specdec.worker.static.slots import SlotPool
 
 STATIC_ATTENTION = "specdec_static_slots"
@@ -104,25 +105,18 @@ def static_forward(
     Returns:
         [B, W, vocab] logits (the lm_head's rows, padding included), in the model's dtype.
     """
-    decoder = model.get_decoder()
-    hidden = decoder.embed_tokens(input_ids)
-    rotary = decoder.rotary_emb(hidden, positions)
     key_positions = torch.arange(key_len, device=input_ids.device)
     key_mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None]
-    for layer in decoder.layers:
-        hidden = layer(
-            hidden,
-            attention_mask=None,
-            position_embeddings=rotary,
-            position_ids=positions,
-            cache=None,
-            use_cache=False,
-            slot_pool=pool,
-            slot_ids=slot_ids,
-            slot_positions=positions,
-            key_mask=key_mask,
-        )
-    return model.get_output_embeddings()(decoder.norm(hidden))
+    hidden = decoder_hidden(
+        model.get_decoder(),
+        input_ids,
+        positions,
+        slot_pool=pool,
+        slot_ids=slot_ids,
+        slot_positions=positions,
+        key_mask=key_mask,
+    )
+    return model.get_output_embeddings()(hidden)
 
 
 def aligned_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -377,13 +378,7 @@ class StaticRunner:
                 entry.cached_ids.clear()
             self.run(kind, [(e, [0] * width) for e in entries], width)
 
-        once()
-        synchronize(self.device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            once()
-        synchronize(self.device)
-        return (time.perf_counter() - start) / repeats
+        return self._seconds_per_call(once, repeats)
 
     @torch.inference_mode()
     def benchmark_draft(self, batch: int, k: int, repeats: int = 10) -> float:
@@ -397,6 +392,11 @@ class StaticRunner:
             tokens, _, _ = self.catch_up([(e, [0]) for e in entries])
             self.chain(entries, tokens, k - 1)
 
+        return self._seconds_per_call(once, repeats)
+
+    def _seconds_per_call(self, once: Callable[[], None], repeats: int) -> float:
+        """Mean seconds of ``once`` over ``repeats`` calls after one warm-up, device work
+        included."""
         once()
         synchronize(self.device)
         start = time.perf_counter()
