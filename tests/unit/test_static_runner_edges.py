@@ -39,6 +39,21 @@ def _verify(session_id: str, ids: list[int], drafts: list[int], prefix_len: int 
     )
 
 
+def _sampled(session_id: str, ids: list[int], drafts: list[int], q_ids: list[list[int]], q_probs):
+    request = _verify(session_id, ids, drafts)
+    request.sampling.CopyFrom(worker_pb2.SamplingConfig(temperature=1.0, top_p=1.0, seed=1))
+    request.q.CopyFrom(
+        worker_pb2.SparseDistribution(
+            width=len(q_ids[0]), token_ids=[t for row in q_ids for t in row], probs=q_probs
+        )
+    )
+    return request
+
+
+def _vocab(engine) -> int:
+    return engine.transport.verifier.loaded.vocab_size
+
+
 def _propose(session_id: str, ids: list[int], k: int, prefix_len: int = 0):
     return worker_pb2.ProposeRequest(
         session=_session(session_id, ids, prefix_len),
@@ -68,6 +83,15 @@ BAD_VERIFIES = {
     ),
     "a draft past the embedding": (lambda e: _verify("bad", [5], [_embedding_rows(e)]), "token"),
     "a negative token": (lambda e: _verify("bad", [5, -1], [7]), "token"),
+    "a sampled draft past the vocabulary": (
+        lambda e: _sampled("bad", [5, 6], [_vocab(e)], [[5]], [1.0]),
+        "token",
+    ),
+    "q ids past the vocabulary": (
+        lambda e: _sampled("bad", [5, 6], [7], [[7, _vocab(e)]], [0.5, 0.5]),
+        "q",
+    ),
+    "negative q ids": (lambda e: _sampled("bad", [5, 6], [7], [[7, -3]], [0.5, 0.5]), "q"),
 }
 
 

@@ -75,7 +75,8 @@ class _Slots:
         """Raises ValueError unless the call's k is at most the verify width's (the target
         scores k + 1 rows in one forward; max_speculative_tokens), its session with its k
         drafts holds at most context_limit tokens (a slot holds no more: the router never
-        asks more), and its token ids index the model's embedding."""
+        asks more), its token ids index the model's embedding, and its drafts and q's ids the
+        vocabulary."""
         session, drafts = request.session, []
         if isinstance(request, worker_pb2.VerifyRequest):
             drafts = list(request.draft_token_ids)
@@ -93,10 +94,18 @@ class _Slots:
                 f"a session of {length} tokens (committed and draft) passes the context limit "
                 f"of {self.context_limit} (models.max_model_len)"
             )
-        ids = list(session.new_token_ids) + drafts
+        ids = list(session.new_token_ids)
         rows = self.runner.loaded.model.get_input_embeddings().num_embeddings
         if ids and (min(ids) < 0 or max(ids) >= rows):
             raise ValueError(f"token ids must lie in [0, {rows}), the model's embedding rows")
+        # Drafts and q index the target's logits, which end at the vocabulary (the draft
+        # never proposes past it); a sampled acceptance would fail on one that does not.
+        vocab = self.loaded.vocab_size
+        if drafts and (min(drafts) < 0 or max(drafts) >= vocab):
+            raise ValueError(f"draft token ids must lie in [0, {vocab}), the vocabulary")
+        q_ids = list(request.q.token_ids) if drafts else []
+        if q_ids and (min(q_ids) < 0 or max(q_ids) >= vocab):
+            raise ValueError(f"q token ids must lie in [0, {vocab}), the vocabulary")
 
     def _start_runner(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
         self.runner = StaticRunner(loaded, self.layout, config.models.max_batch_size)
