@@ -170,20 +170,27 @@ class SessionCacheStore:
         With ``prefix_len == 0`` the call carries the whole sequence and never misses.
         """
         new_ids = list(session.new_token_ids)
+        if session.prefix_len == 0 and not new_ids:
+            raise ValueError("a call must carry at least one committed token")
         with self._lock:
             entry = self._entries.get(session.session_id)
+            hit = entry is not None and len(entry.committed) == session.prefix_len
+            if hit or (entry is not None and session.prefix_len == 0):
+                # Marked under the lock that found it: a release or an expiry between the two
+                # (the replica's event loop runs them while this runs on its compute thread)
+                # would otherwise give its cache back, and a slot of the static runner's pool
+                # would go to another session while this call writes it.
+                entry.in_flight = True
         if session.prefix_len == 0:
             if entry is None:
                 # Without a prompt_len, the first call's sequence is taken as the prompt.
                 entry = SessionEntry(cache=self._allocate(), prompt_len=len(new_ids))
             committed = new_ids
-        elif entry is not None and len(entry.committed) == session.prefix_len:
+        elif hit:
             committed = entry.committed + new_ids
         else:
             self.rebuilds += 1  # the router resends the whole sequence and this replica rebuilds
             return None
-        if not committed:
-            raise ValueError("a call must carry at least one committed token")
         # Cached positions below the old committed length are committed tokens; only the tail
         # (draft tokens fed in the last call) can disagree with the new sequence.
         start = min(len(entry.committed), len(entry.cached_ids)) if session.prefix_len else 0

@@ -57,6 +57,56 @@ class _Slots:
         size = self.runner.batch_buckets[-1]
         return [r for i in range(0, len(requests), size) for r in run(requests[i : i + size])]
 
+    def run_batch(
+        self, requests: list, run_distinct: Callable[[list], list], check=lambda request: None
+    ) -> list:
+        """SessionModel.run_batch, where a call the runner cannot run also gets its own
+        ValueError (check_fits) before it touches a session, instead of failing its whole
+        batch in a forward (and, on CUDA, an out-of-range token id is a device-side assert
+        that ends the process's CUDA context)."""
+
+        def checked(request) -> None:
+            check(request)
+            self.check_fits(request)
+
+        return super().run_batch(requests, run_distinct, checked)
+
+    def check_fits(self, request: worker_pb2.VerifyRequest | worker_pb2.ProposeRequest) -> None:
+        """Raises ValueError unless the call's k is at most the verify width's (the target
+        scores k + 1 rows in one forward; max_speculative_tokens), its session with its k
+        drafts holds at most context_limit tokens (a slot holds no more: the router never
+        asks more), its token ids index the model's embedding, and its drafts and q's ids the
+        vocabulary."""
+        session, drafts = request.session, []
+        if isinstance(request, worker_pb2.VerifyRequest):
+            drafts = list(request.draft_token_ids)
+            k = len(drafts)
+        else:
+            k = request.num_speculative_tokens
+        if k > self.runner.width - 1:
+            raise ValueError(
+                f"{k} draft tokens exceed max_speculative_tokens ({self.runner.width - 1}), "
+                "the static runner's verify width"
+            )
+        length = session.prefix_len + len(session.new_token_ids) + k
+        if length > self.context_limit:
+            raise ValueError(
+                f"a session of {length} tokens (committed and draft) passes the context limit "
+                f"of {self.context_limit} (models.max_model_len)"
+            )
+        ids = list(session.new_token_ids)
+        rows = self.runner.loaded.model.get_input_embeddings().num_embeddings
+        if ids and (min(ids) < 0 or max(ids) >= rows):
+            raise ValueError(f"token ids must lie in [0, {rows}), the model's embedding rows")
+        # Drafts and q index the target's logits, which end at the vocabulary (the draft
+        # never proposes past it); a sampled acceptance would fail on one that does not.
+        vocab = self.loaded.vocab_size
+        if drafts and (min(drafts) < 0 or max(drafts) >= vocab):
+            raise ValueError(f"draft token ids must lie in [0, {vocab}), the vocabulary")
+        q_ids = list(request.q.token_ids) if drafts else []
+        if q_ids and (min(q_ids) < 0 or max(q_ids) >= vocab):
+            raise ValueError(f"q token ids must lie in [0, {vocab}), the vocabulary")
+
     def _start_runner(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
         self.runner = StaticRunner(loaded, self.layout, config.models.max_batch_size)
         self.sessions.capacity_bytes = self.layout.slot_bytes * self.layout.num_slots
