@@ -24,8 +24,6 @@ from specdec.worker.kv_cache import SessionEntry
 from specdec.worker.static.runner import VERIFY, StaticRunner
 from specdec.worker.static.slots import SlotCache
 
-PROBE_PREFIX_TOKENS = 16  # cached tokens of each probe session before its verify rows
-
 
 @torch.inference_mode()
 def invariant_shapes(
@@ -45,18 +43,25 @@ def invariant_shapes(
     kept = [b for b in buckets if b * runner.width in gemm_set]
     entries = [SessionEntry(cache=SlotCache(slot)) for slot in range(buckets[-1])]
     vocab = runner.loaded.vocab_size
+    # As long as the shortest key length holds: a kernel that splits the key range shows only
+    # in rows whose keys span the split, so the probe's rows attend over all they can.
+    prefix_len = max(min(key_lens[0] - runner.width, runner.layout.context_limit), 1)
     for _ in range(trials):
         for entry in entries:
             entry.cached_ids.clear()
-            prefix = torch.randint(vocab, (PROBE_PREFIX_TOKENS,), generator=generator).tolist()
+            prefix = torch.randint(vocab, (prefix_len,), generator=generator).tolist()
             runner.prefill(entry, prefix, 1)
         blocks = torch.randint(vocab, (len(entries), runner.width), generator=generator).tolist()
-        reference = _probe(runner, entries, blocks, buckets[-1], key_lens[-1])
+        reference = _probe(runner, entries, blocks, buckets[-1], key_lens[-1], prefix_len)
         kept = [
-            b for b in kept if _agrees(_probe(runner, entries, blocks, b, key_lens[-1]), reference)
+            b
+            for b in kept
+            if _agrees(_probe(runner, entries, blocks, b, key_lens[-1], prefix_len), reference)
         ]
         key_lens = [
-            n for n in key_lens if _probe(runner, entries, blocks, buckets[-1], n) == reference
+            n
+            for n in key_lens
+            if _probe(runner, entries, blocks, buckets[-1], n, prefix_len) == reference
         ]
     return kept, key_lens
 
@@ -71,13 +76,14 @@ def _probe(
     blocks: list[list[int]],
     batch: int,
     key_len: int,
+    prefix_len: int,
 ) -> list[tuple[bytes, ...]]:
     """The outputs (logits, tokens, log-probabilities) of sessions 0 and 1 of ``entries`` in
     one verify forward of ``batch`` sessions: session 0 at the last row, session 1 at the
     first (alone in a bucket of one, only session 0)."""
     order = list(range(1, batch)) + [0]
     for entry in entries:
-        del entry.cached_ids[PROBE_PREFIX_TOKENS:]
+        del entry.cached_ids[prefix_len:]
     chosen = [(entries[i], blocks[i]) for i in order]
     outputs = runner.run(VERIFY, chosen, runner.width, [0] * batch, [[]] * batch, key_len)
     rows = [batch - 1] + ([0] if batch > 1 else [])
