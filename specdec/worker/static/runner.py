@@ -436,6 +436,30 @@ def _scratch_entry(scratch: int) -> SessionEntry:
     return SessionEntry(cache=SlotCache(scratch))
 
 
+class CallClock:
+    """Seconds from its creation to stop() of the work a call queues on a device, read once
+    the call has synced with the host anyway: CUDA events on a GPU, so timing a part of a call
+    costs no sync of its own; the host's clock elsewhere, where every forward is synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._events[0].record()
+        self._start, self._stop = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        self._stop = time.perf_counter()
+
+    def seconds(self) -> float:
+        """The measured seconds (on a GPU, after the call's host sync)."""
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1000
+        return self._stop - self._start
+
+
 def synchronize(device: torch.device) -> None:
     """Waits for the device's queued work (a no-op off CUDA, where every call is synchronous)."""
     if device.type == "cuda":

@@ -6,7 +6,6 @@ run by specdec.worker.static.runner over a slot pool."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -17,7 +16,7 @@ from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession, CacheBacking
 from specdec.worker.proposer import Draft, DraftProposer
-from specdec.worker.static.runner import StaticRunner, VerifyJob, VerifyOutcome, synchronize
+from specdec.worker.static.runner import CallClock, StaticRunner, VerifyJob, VerifyOutcome
 from specdec.worker.static.shapes import invariant_shapes
 from specdec.worker.static.slots import SlotAllocator, SlotLayout, slot_layout
 from specdec.worker.verifier import TargetVerifier
@@ -223,18 +222,18 @@ class StaticProposer(_Slots, DraftProposer):
         if any(draft.generator is not None for draft in drafts):
             super()._draft_together(drafts)
             return
-        start = time.perf_counter()
+        clock = CallClock(self.runner.device)  # prices the catch-up apart from the steps
         entries = [draft.active.entry for draft in drafts]
         tokens, confidences, _ = self.runner.catch_up(
             [(draft.active.entry, draft.active.pending) for draft in drafts]
         )
-        synchronize(self.runner.device)  # the catch-up's seconds price it apart from the steps
-        catchup_s = time.perf_counter() - start
+        clock.stop()
         steps = max(draft.k for draft in drafts) - 1
         chained, chained_confidences = self.runner.chain(entries, tokens, max(steps, 0))
         picked = torch.cat([tokens[:, None], chained], 1).float()
         host = torch.stack([picked, torch.cat([confidences[:, None], chained_confidences], 1)])
-        host = host.cpu()
+        host = host.cpu()  # the call's one host sync
+        catchup_s = clock.seconds()
         for i, draft in enumerate(drafts):
             draft.catchup_s = catchup_s
             for token, confidence in zip(host[0, i, : draft.k], host[1, i, : draft.k]):
