@@ -210,33 +210,29 @@ class SessionCacheStore:
         self._backing.compact(entry.cache)
         size = self._backing.nbytes(entry.cache)
         with self._lock:
+            # What the store holds for the session: this entry (still in flight, so kept) or
+            # one a rebuild replaced (its cache goes back).
+            self._remove_locked(active.session_id)
             entry.in_flight = False
             if active.session_id in self._released:
                 self._backing.free(entry.cache)
                 return
-            old = self._entries.pop(active.session_id, None)
-            if old is not None and old is not entry:
-                self._drop_locked(old)
-            self._bytes -= old.nbytes if old is not None else 0
             entry.nbytes, entry.last_used_s = size, self._clock()
             self._entries[active.session_id] = entry
             self._bytes += size
             while self._bytes > self.capacity_bytes and self._entries:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+                self._remove_locked(next(iter(self._entries)))
                 self.evictions += 1
-                self._drop_locked(evicted)
             self._expire_locked()
 
     def abort(self, active: ActiveSession) -> None:
         """Ends a call that failed: its entry is dropped (its cache may disagree with the ids it
         records) and the next call of the session rebuilds it."""
         with self._lock:
-            active.entry.in_flight = False
             if self._entries.get(active.session_id) is active.entry:
-                del self._entries[active.session_id]
-                self._bytes -= active.entry.nbytes
+                self._remove_locked(active.session_id)
                 self.evictions += 1
+            active.entry.in_flight = False
             self._backing.free(active.entry.cache)
 
     def _allocate(self) -> Cache:
@@ -252,16 +248,20 @@ class SessionCacheStore:
                 idle = next((s for s, e in self._entries.items() if not e.in_flight), None)
                 if idle is None:
                     raise RuntimeError("every session cache is held by a call in flight")
-                evicted = self._entries.pop(idle)
-                self._bytes -= evicted.nbytes
+                self._remove_locked(idle)
                 self.evictions += 1
-                self._backing.free(evicted.cache)
         return cache
 
-    def _drop_locked(self, entry: SessionEntry) -> None:
-        """Gives an entry that left the store its cache back, unless a call still has it."""
-        if not entry.in_flight:
-            self._backing.free(entry.cache)
+    def _remove_locked(self, session_id: str) -> SessionEntry | None:
+        """Takes a session's entry out of the store (None when it holds none) and gives its
+        cache back to the backing, unless a call still has it checked out (that call gives it
+        back when it ends without storing it)."""
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+            if not entry.in_flight:
+                self._backing.free(entry.cache)
+        return entry
 
     def expire(self) -> int:
         """Drops the entries idle for more than ``idle_s`` seconds (none when idle_s is 0);
@@ -278,9 +278,7 @@ class SessionCacheStore:
             session_id, oldest = next(iter(self._entries.items()))
             if oldest.last_used_s >= horizon:
                 break
-            del self._entries[session_id]
-            self._bytes -= oldest.nbytes
-            self._drop_locked(oldest)
+            self._remove_locked(session_id)
             dropped += 1
         self.expirations += dropped
         return dropped
@@ -291,20 +289,15 @@ class SessionCacheStore:
             self._released[session_id] = None
             if len(self._released) > RELEASED_MEMORY:
                 self._released.popitem(last=False)
-            entry = self._entries.pop(session_id, None)
-            if entry is not None:
-                self._bytes -= entry.nbytes
-                self._drop_locked(entry)
+            entry = self._remove_locked(session_id)
         return entry is not None
 
     def evict(self, session_id: str) -> bool:
         """Drops a session as if capacity had forced it out: its next call misses and rebuilds."""
         with self._lock:
-            entry = self._entries.pop(session_id, None)
+            entry = self._remove_locked(session_id)
             if entry is not None:
-                self._bytes -= entry.nbytes
                 self.evictions += 1
-                self._drop_locked(entry)
         return entry is not None
 
     def stats(self) -> worker_pb2.CacheStats:
