@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -200,11 +201,13 @@ def quantize_int8(model: PreTrainedModel) -> None:
         )
 
 
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's part of a config (a multimodal config nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _context_limit(model: PreTrainedModel) -> int:
-    config = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(text_config(model.config), "max_position_embeddings", None)
     if not limit:
         raise ModelLoadError(f"{type(model).__name__} does not declare max_position_embeddings")
     return int(limit)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from specdec.models.loading import text_config
 from specdec.worker.packed import decoder_hidden
 from specdec.worker.static.slots import SlotPool
 
@@ -57,7 +58,8 @@ def slot_attention(
         slot_pool: the pool whose layer ``module.layer_idx`` is read and written.
         slot_ids: [B] slot index of each row (the scratch slot for padding rows).
         slot_positions: [B, W] position of each new key and value in its slot.
-        key_mask: [B, 1, W, key_len] bool, True where a row may attend a key.
+        key_mask: [B, 1, group x W, key_len] bool, True where a row may attend a key, its
+            rows folded as the query's (static_forward builds it once for every layer).
     Returns:
         ([B, W, heads, head_dim] attention output, None), as transformers expects.
     """
@@ -72,9 +74,8 @@ def slot_attention(
     past_values = values[:, :, :key_len].index_select(0, slot_ids)
     group = query.shape[1] // kv_heads
     folded = query.reshape(batch, kv_heads, group * width, head_dim)
-    mask = key_mask.expand(batch, group, width, key_len).reshape(batch, 1, group * width, key_len)
     out = F.scaled_dot_product_attention(
-        folded, past_keys, past_values, attn_mask=mask, scale=scaling
+        folded, past_keys, past_values, attn_mask=key_mask, scale=scaling
     )
     out = out.reshape(batch, kv_heads * group, width, head_dim)
     return out.transpose(1, 2), None
@@ -90,6 +91,7 @@ def static_forward(
     positions: torch.Tensor,
     slot_ids: torch.Tensor,
     key_len: int,
+    last_rows: int | None = None,
 ) -> torch.Tensor:
     """One forward of B sessions x W positions over their slots; writes their keys and values.
 
@@ -102,11 +104,20 @@ def static_forward(
         slot_ids: [B] slot of each session (long).
         key_len: how many leading positions of each slot the rows attend over (a Python int:
             part of the shape).
+        last_rows: run the lm_head on only the last this many positions (None: all): a long
+            prefill needs the logits of a few.
     Returns:
-        [B, W, vocab] logits (the lm_head's rows, padding included), in the model's dtype.
+        [B, W, vocab] logits (the lm_head's rows, padding included; W = last_rows when
+        given), in the model's dtype.
     """
+    batch, width = input_ids.shape
     key_positions = torch.arange(key_len, device=input_ids.device)
-    key_mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None]
+    key_mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, W, key_len]
+    # The query heads of a key/value head are folded into rows (slot_attention): the mask
+    # repeats per head of the group, built once here rather than in every layer.
+    group = text_config(model.config).num_attention_heads // pool.layout.kv_heads
+    key_mask = key_mask[:, None].expand(batch, group, width, key_len)
+    key_mask = key_mask.reshape(batch, 1, group * width, key_len)
     hidden = decoder_hidden(
         model.get_decoder(),
         input_ids,
@@ -116,6 +127,8 @@ def static_forward(
         slot_positions=positions,
         key_mask=key_mask,
     )
+    if last_rows is not None:
+        hidden = hidden[:, -last_rows:]
     return model.get_output_embeddings()(hidden)
 
 

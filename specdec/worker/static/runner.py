@@ -107,7 +107,7 @@ class StaticRunner:
         self.pool = SlotPool(layout, self.device)
         self.width = layout.width
         self.batch_buckets = _powers_of_two_up_to(1, max_batch_size)
-        self.key_lens = [n for n in _powers_of_two_up_to(CONTEXT_ROUNDING, layout.slot_len)]
+        self.key_lens = _powers_of_two_up_to(CONTEXT_ROUNDING, layout.slot_len)
         if capture is None:
             capture = self.device.type == "cuda"
         self.graphs = StepGraphs(self._step, capture)
@@ -205,6 +205,8 @@ class StaticRunner:
             )
         device = self.device
         key_len = self._bucket(self.key_lens, start + len(tokens), "key length")
+        # The lm_head runs on the prompt's last rows only, as many whatever num_logits is (a
+        # prompt's logits must not depend on how many a call asks for: k decides that).
         logits = static_forward(
             self.loaded.model,
             self.pool,
@@ -212,6 +214,7 @@ class StaticRunner:
             torch.arange(start, start + len(tokens), device=device)[None],
             torch.tensor([entry.cache.slot], device=device),
             key_len,
+            last_rows=max(num_logits, min(len(tokens), self.width)),
         )
         entry.cached_ids.extend(tokens)
         return logits[0, -num_logits:, : self.loaded.vocab_size]
@@ -265,12 +268,12 @@ class StaticRunner:
         outcomes, row = [], 0
         for job in jobs:
             k = len(job.drafts)
-            if job.rows and len(job.rows[-self.width :]) >= k + 1 and job.head is None:
-                last = len(_chunks_from_end(job.rows, self.width)[-1])
+            last = len(job.rows[-self.width :])  # the final forward's real rows of this job
+            if job.rows and last >= k + 1 and job.head is None:
                 scored = finals[3][row, last - k - 1 : last, : self.loaded.vocab_size]
                 outcomes.append((finals[0][row], finals[1][row], finals[2][row], scored))
             else:
-                tail = finals[3][row, : len(job.rows[-self.width :])] if job.rows else None
+                tail = finals[3][row, :last] if job.rows else None
                 outcomes.append(self._outcome_of_rows(job, tail))
             row += 1 if job.rows else 0
         return outcomes

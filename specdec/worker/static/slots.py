@@ -24,6 +24,8 @@ import threading
 import torch
 from transformers import PretrainedConfig
 
+from specdec.models.loading import text_config
+
 CONTEXT_ROUNDING = 256  # a derived context limit is a multiple of this many tokens
 # Slot lengths (the longest key length) are a multiple of this many positions: attention kernels
 # want the mask's last dimension aligned (PyTorch's memory-efficient SDPA copies it otherwise).
@@ -74,7 +76,7 @@ class SlotLayout:
 
 def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     """(layers, key/value heads, head dim) of a transformers model config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -106,8 +108,7 @@ def slot_layout(
             cache_capacity_bytes when it cannot hold max_batch_size slots of that length.
     """
     num_layers, kv_heads, head_dim = attention_shape(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_limit = int(text.max_position_embeddings)
+    model_limit = int(text_config(config).max_position_embeddings)
     per_token = SlotLayout(num_layers, kv_heads, head_dim, dtype, 1, 0, width).bytes_per_token
     if max_model_len is None:
         fitting = capacity_bytes // ((max_batch_size + 1) * per_token) - width - SLOT_ALIGNMENT
