@@ -68,8 +68,9 @@ def say(message: str) -> None:
 def synchronize(device: str) -> None:
     import torch
 
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    from specdec.worker.static.runner import synchronize as wait
+
+    wait(torch.device(device))
 
 
 def seconds_of(fn: Callable[[], Any], device: str) -> float:
