@@ -36,6 +36,8 @@ PLAIN = "plain"  # PyTorch's own F.linear
 MODEL_DTYPES = (AUTO, "float32", "bfloat16", "float16", "int8")
 MODEL_GEMMS = (AUTO, PLAIN, "wm", "dnnl", "bf16w")
 RUNNERS = (AUTO, "dynamic", "static")  # models.runner
+# Who proposes a round's tokens (speculation.proposer, a request's `proposer`).
+PROPOSERS = (AUTO, "draft", "ngram", "none")
 # The GEMMs (specdec.device.gemm) each dtype runs; `auto` measures those the device has.
 DTYPE_GEMMS = {
     "float32": (PLAIN, "wm", "dnnl", "bf16w"),
@@ -303,9 +305,40 @@ class SpeculationConfig(_Section):
     calls overlap, the rounds of different requests pipeline) when they run on separate
     devices."""
 
+    proposer: str = AUTO
+    """Who proposes each round's tokens for a request that does not say (its `proposer`):
+    `auto` picks per round, by measured goodput, between the draft model, n-gram lookup in the
+    request's own text (no accelerator, no extra call) and no proposal; `draft` the draft model
+    (n-gram lookup only while the draft side is unavailable); `ngram` n-gram lookup only (the
+    draft model is never called); `none` plain target decoding. A request's fixed
+    `num_speculative_tokens` drafts that many with the draft model under `auto`."""
+
+    ngram_max_n: int = 4
+    """The longest n-gram, in tokens, that n-gram lookup matches at the end of the request's
+    text; it tries the longest first, down to `ngram_min_n`, and proposes the tokens that
+    followed the latest earlier occurrence (prompt lookup; Saxena 2023)."""
+
+    ngram_min_n: int = 2
+    """The shortest n-gram, in tokens, that n-gram lookup matches (at least 1)."""
+
+    shared_ngram_bytes: int = 0
+    """Bytes of a router-wide index over recent completions that every request's n-gram lookup
+    reads after its own text (SuffixDecoding-style; Oliaro et al. 2024), the oldest forgotten
+    first. 0 (the default) keeps each request to its own prompt and output. Turn it on only
+    where any request may see text from any other: a proposal that the target accepts is text
+    another request generated."""
+
     def _check(self) -> None:
         _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
         _at_least("draft_top_n", self.draft_top_n, 0)
+        _require(
+            "proposer",
+            self.proposer in PROPOSERS,
+            f"must be one of {list(PROPOSERS)}, got {self.proposer!r}",
+        )
+        _at_least("ngram_min_n", self.ngram_min_n, 1)
+        _at_least("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
+        _at_least("shared_ngram_bytes", self.shared_ngram_bytes, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from specdec.config import ServiceConfig, SpeculationConfig
+from specdec.config import PROPOSERS, ServiceConfig, SpeculationConfig
 from specdec.decoding.sampling import SamplingParams
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.v1 import worker_pb2
@@ -56,6 +56,8 @@ class PreparedRequest:
         max_new_tokens: the request's limit, capped so prompt + completion fit the context.
         num_speculative_tokens: fixed k, or None for adaptive.
         seed: the request's seed, or a fresh random one.
+        proposer: who proposes each round's tokens: one of specdec.config.PROPOSERS
+            (SpeculationConfig.proposer explains each).
     """
 
     session_id: str
@@ -65,6 +67,7 @@ class PreparedRequest:
     num_speculative_tokens: int | None
     seed: int
     stop_token_ids: frozenset[int]
+    proposer: str = AUTO
 
 
 # Bytes of one sparse q entry on the wire, at most: its token id (a varint of up to 5 bytes for
@@ -207,13 +210,18 @@ def prepare_request(
     limits: ModelLimits,
     num_speculative_tokens: int | str | None = AUTO,
     session_id: str | None = None,
+    proposer: str | None = None,
+    default_proposer: str = AUTO,
 ) -> PreparedRequest:
     """Validates a tokenized request against the model pair's limits.
+
+    ``proposer`` None (unset) takes ``default_proposer`` (the service's
+    SpeculationConfig.proposer).
 
     Raises:
         InvalidRequestError: empty prompt, ids outside the vocabulary, a prompt that leaves no room
             in the context, a stop token id not below the vocabulary size, max_new_tokens past
-            the context limit, or k outside [0, k_max].
+            the context limit, k outside [0, k_max], or a proposer not in PROPOSERS.
     """
     n = len(prompt_ids)
     if n == 0:
@@ -245,7 +253,14 @@ def prepare_request(
         num_speculative_tokens=_parse_k(num_speculative_tokens, limits.max_speculative_tokens),
         seed=params.seed if params.seed is not None else secrets.randbits(63),
         stop_token_ids=limits.eos_token_ids | frozenset(params.stop_token_ids),
+        proposer=_parse_proposer(default_proposer if proposer is None else proposer),
     )
+
+
+def _parse_proposer(value: object) -> str:
+    if value not in PROPOSERS:
+        raise InvalidRequestError("proposer", f"must be one of {list(PROPOSERS)}, got {value!r}")
+    return value
 
 
 def _parse_k(value: int | str | None, k_max: int) -> int | None:

@@ -38,8 +38,8 @@ class SpeculationStats:
     Attributes:
         rounds: target forward passes, one prefill per request included (it commits the first
             token).
-        draft_tokens: tokens proposed by the draft model.
-        accepted_tokens: draft tokens the target accepted (0 <= accepted <= drafted).
+        draft_tokens: tokens proposed, by the draft model and by n-gram lookup together.
+        accepted_tokens: proposed tokens the target accepted (0 <= accepted <= drafted).
         accepted_per_position: decode rounds whose draft token at position i (0-based) was
             accepted; non-increasing in i, length k_max.
         drafted_per_position: decode rounds that drafted a token at position i (0-based).
@@ -55,9 +55,13 @@ class SpeculationStats:
         wall_time_s: seconds from the request's start to its end.
         requests: requests counted (1 for one request's stats, 0 for an empty sum); each had
             exactly one prefill round among ``rounds``.
-        rounds_without_draft: decode rounds that would have drafted but ran at k = 0 because
-            the draft side was unavailable or failed (specdec.decoding.degrade); the output is
-            still exact, only slower.
+        rounds_without_draft: decode rounds that would have drafted but could not call the
+            draft model because the draft side was unavailable or failed
+            (specdec.decoding.degrade): they ran on n-gram proposals where the request's text
+            had a match, else at k = 0; the output is still exact, only slower.
+        ngram_rounds, ngram_draft_tokens, ngram_accepted_tokens: decode rounds whose proposal
+            came from n-gram lookup (specdec.decoding.ngram), and their share of draft_tokens
+            and accepted_tokens; the draft model's share is the difference.
     """
 
     rounds: int = 0
@@ -75,6 +79,9 @@ class SpeculationStats:
     wall_time_s: float = 0.0
     requests: int = 1
     rounds_without_draft: int = 0
+    ngram_rounds: int = 0
+    ngram_draft_tokens: int = 0
+    ngram_accepted_tokens: int = 0
 
     # --- derived figures: the only definitions --------------------------------------------
 
@@ -248,13 +255,19 @@ class StatsRecorder:
         verify_s: float,
         overhead_s: float,
         without_draft: bool = False,
+        ngram: bool = False,
     ) -> None:
-        """Records one decode round: k tokens drafted, num_accepted of them accepted, and the
+        """Records one decode round: k tokens proposed, num_accepted of them accepted, and the
         round's draft compute, target compute and time outside the models, seconds;
-        ``without_draft`` when it ran at k = 0 only because the draft side was unavailable."""
+        ``without_draft`` when it could not call the draft model only because the draft side
+        was unavailable; ``ngram`` when n-gram lookup proposed its tokens."""
         s = self.stats
         s.rounds += 1
         s.rounds_without_draft += without_draft
+        if ngram:
+            s.ngram_rounds += 1
+            s.ngram_draft_tokens += k
+            s.ngram_accepted_tokens += num_accepted
         s.draft_tokens += k
         s.accepted_tokens += num_accepted
         for i in range(k):

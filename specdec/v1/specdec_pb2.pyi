@@ -15,7 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "num_speculative_tokens", "logprobs")
+    __slots__ = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "num_speculative_tokens", "logprobs", "proposer")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_new_tokens: int
@@ -38,7 +39,8 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: int
     logprobs: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    proposer: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -49,7 +51,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s", "rounds_without_draft")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s", "rounds_without_draft", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,9 @@ class SpeculationStats(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -86,7 +91,10 @@ class SpeculationStats(_message.Message):
     completion_tokens: int
     wall_time_s: float
     rounds_without_draft: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ...) -> None: ...
+    ngram_rounds: int
+    ngram_draft_tokens: int
+    ngram_accepted_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "stats")
