@@ -322,11 +322,11 @@ class SpeculationConfig(_Section):
     """The shortest n-gram, in tokens, that n-gram lookup matches (at least 1)."""
 
     shared_ngram_bytes: int = 0
-    """Bytes of a router-wide index over recent completions that every request's n-gram lookup
-    reads after its own text (SuffixDecoding-style; Oliaro et al. 2024), the oldest forgotten
-    first. 0 (the default) keeps each request to its own prompt and output. Turn it on only
-    where any request may see text from any other: a proposal that the target accepts is text
-    another request generated."""
+    """Size in bytes of a router-wide index over recent completions that every request's
+    n-gram lookup reads after its own text (SuffixDecoding-style; Oliaro et al. 2024), the
+    oldest forgotten first. 0 (the default) keeps each request to its own prompt and output.
+    Turn it on only where any request may see text from any other: a proposal that the target
+    accepts is text another request generated."""
 
     def _check(self) -> None:
         _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)

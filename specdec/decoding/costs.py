@@ -140,6 +140,8 @@ class RoundTiming:
             committed sequence, so the side rebuilt the session in this round.
         batch_sessions, batch_rows: the sessions that shared the verify's batch (this one
             included) and their rows (0: not reported, a lone verify).
+        draft_free: the round's tokens came from n-gram lookup (specdec.decoding.ngram), not
+            the draft model: it made one call, and tells nothing of the draft's costs.
     """
 
     verify_s: float
@@ -151,6 +153,7 @@ class RoundTiming:
     target_rebuilt: bool = False
     batch_sessions: int = 0
     batch_rows: int = 0
+    draft_free: bool = False
 
 
 class CostModel:
@@ -214,17 +217,14 @@ class CostModel:
         (catchup_token_seconds). Verify: from rounds in which the target did not rebuild.
         Orchestration: from rounds of a request alone on this engine or router (no batch, no
         other request in flight) in which no side rebuilt. The draft's costs
-        are kept for the load the round ran at (RequestTraffic.draft_load, LOAD_BUCKETS).
+        are kept for the load the round ran at (RequestTraffic.draft_load, LOAD_BUCKETS). A
+        draft-free round (timing.draft_free: k tokens from n-gram lookup) gives its verify and
+        a one-call orchestration, priced as a k = 0 round's, and nothing of the draft.
         """
         with self._lock:
             load = self.traffic.draft_load()
-            if k >= 2:
-                self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
-            steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
-            if k >= 1 and steady_catchup and not timing.draft_rebuilt:
-                self._catchup.add(timing.catchup_s, load)
-            elif k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
-                self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
+            drafted = 0 if timing.draft_free else k
+            self._observe_draft(drafted, timing, load)
             self.traffic.observe_batch(timing.batch_sessions)
             prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
             batched = timing.batch_sessions > 1 and prior_s is not None
@@ -241,7 +241,17 @@ class CostModel:
             # auto decoded plain for 144 of 176 choices at acceptance 0.93-0.97.
             lone = timing.batch_sessions <= 1 and self.traffic.in_flight <= 1
             if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
-                self._overhead[k > 0].add(max(timing.overhead_s, 0.0))
+                self._overhead[drafted > 0].add(max(timing.overhead_s, 0.0))
+
+    def _observe_draft(self, k: int, timing: RoundTiming, load: float) -> None:
+        """The draft's step and catch-up costs of a round that drafted k tokens (observe)."""
+        if k >= 2:
+            self._step.add(max(timing.draft_s - timing.catchup_s, 0.0) / (k - 1), load)
+        steady_catchup = 0 < timing.catchup_tokens <= CATCHUP_STEADY_TOKENS
+        if k >= 1 and steady_catchup and not timing.draft_rebuilt:
+            self._catchup.add(timing.catchup_s, load)
+        elif k >= 1 and timing.catchup_tokens > CATCHUP_STEADY_TOKENS:
+            self._catchup_token.add(timing.catchup_s / timing.catchup_tokens, load)
 
     def may_draft(self, owner: object) -> bool:
         """Whether the request ``owner`` (its KController) may draft at the current load
@@ -362,6 +372,18 @@ class CostModel:
                 overhead = self._overhead[k == 0].value or 0.0
             draft = self.draft_seconds(k)
         return max(draft + verify + overhead, 1e-9)
+
+    def draft_free_round_seconds(self, k: int, sessions: float | None = None) -> float:
+        """Predicted seconds of a round that verifies k tokens proposed without the draft model
+        (n-gram lookup, specdec.decoding.ngram): the verify (sessions: as for verify_seconds)
+        and one call's orchestration, a k = 0 round's (the other kind's until it is measured;
+        needs ready)."""
+        with self._lock:
+            verify = self._verify_seconds(k, sessions)
+            overhead = self._overhead[False].value
+            if overhead is None:
+                overhead = self._overhead[True].value or 0.0
+        return max(verify + overhead, 1e-9)
 
     def _verify_seconds(self, k: int, sessions: float | None = None) -> float:
         sessions = self.traffic.batch_sessions if sessions is None else sessions

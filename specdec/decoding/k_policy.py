@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 
 class RoundPlan(NamedTuple):
     """What one round drafts: at most k tokens, stopping early once the product of the draft's
-    probabilities of its tokens falls below min_draft_confidence (0 = never)."""
+    probabilities of its tokens falls below min_draft_confidence (0 = never); tokens_per_s:
+    the goodput it was chosen at (tokens per second, predicted), None where it was not priced
+    (a fixed k, costs not ready, a probe)."""
 
     k: int
     min_draft_confidence: float = 0.0
+    tokens_per_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -145,13 +148,13 @@ class KController:
             self._log_choice(best, cap, draft_lag, sessions, start_s, tokens_per_s)
         if best and not self.costs.may_draft(self):
             log.debug("k=0: another request is measuring the draft at this load")
-            return RoundPlan(0)
-        if not self.config.dynamic_draft_length or best == 0:
-            return RoundPlan(best)
+            return RoundPlan(0, tokens_per_s=tokens_per_s(0))
         best_rate = tokens_per_s(best)
+        if not self.config.dynamic_draft_length or best == 0:
+            return RoundPlan(best, tokens_per_s=best_rate)
         longest, marginal_s = self._dynamic_length(best, cap, sessions, best_rate)
         floor = min(marginal_s * best_rate, 1.0)
-        return RoundPlan(longest, self.confidence.raw_floor(floor))
+        return RoundPlan(longest, self.confidence.raw_floor(floor), best_rate)
 
     def _dynamic_length(
         self, best: int, cap: int, sessions: float, tokens_per_s: float
@@ -230,10 +233,20 @@ class KController:
         """Records a round that drafted k tokens (after any confidence stop), num_accepted of
         them accepted, and the draft's probability of each (``confidences``, when reported):
         the acceptance and the confidence calibration for this request, the costs for all."""
+        if timing.draft_free:
+            self._observe_draft_free(k, timing)
+            return
         self._plain_rounds = self._plain_rounds + 1 if k == 0 else 0
         if k == 0:
             self.costs.traffic.release_turn(self)
         self.acceptance.observe(k, num_accepted)
         self.costs.traffic.pooled_acceptance.observe(k, num_accepted)
         self.confidence.observe(confidences, num_accepted)
+        self.costs.observe(k, timing)
+
+    def _observe_draft_free(self, k: int, timing: RoundTiming) -> None:
+        """A round of k tokens from n-gram lookup: a plain round for the draft (its probes and
+        turns), a verify of k for the costs; the draft's acceptance learns nothing from it."""
+        self._plain_rounds += 1
+        self.costs.traffic.release_turn(self)
         self.costs.observe(k, timing)

@@ -1,9 +1,10 @@
 """The round loop: drives one request's speculative rounds through a draft and a target.
 
 It is written once and runs over two transports: in-process calls (SpeculativeEngine) and Ray
-Serve deployment handles (the router deployment). Each round is two calls: ``propose`` on the
-draft, then ``verify`` on the target; the loop commits what the target returns, applies the stop
-rules, and chooses the next k.
+Serve deployment handles (the router deployment). Each round is at most two calls: ``propose``
+on the draft (unless n-gram lookup in the router proposed the round's tokens, or none are
+proposed), then ``verify`` on the target; the loop commits what the target returns, applies the
+stop rules, and chooses the next round's proposer and k (specdec.decoding.proposers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from specdec.config import SpeculationConfig
 from specdec.decoding.costs import CostModel, RoundTiming
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.k_policy import KController
+from specdec.decoding.ngram import RequestNgrams, SharedNgrams
 from specdec.decoding.phases import PhaseGate
+from specdec.decoding.proposers import DRAFT, NGRAM, Proposal, ProposerChoice
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
 from specdec.decoding.stopping import Delta, StopChecker
@@ -71,6 +74,9 @@ class RoundLoop:
         phases: where draft and target share cores (SpeculationConfig.alternate_phases), the
             router's PhaseGate, shared by all its requests: this request's draft and verify
             calls run in its alternating phases. None: calls run as they come.
+        shared_ngrams: the router's index over recent completions
+            (SpeculationConfig.shared_ngram_bytes), read by this request's n-gram lookup and
+            given its completion; None: the request reads only its own text.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class RoundLoop:
         config: SpeculationConfig,
         draft: DraftAvailability | None = None,
         phases: PhaseGate | None = None,
+        shared_ngrams: SharedNgrams | None = None,
     ) -> None:
         self._transport = transport
         self._phases = phases
@@ -99,6 +106,10 @@ class RoundLoop:
             tokenizer, request.max_new_tokens, request.stop_token_ids, params.stop
         )
         self._controller = KController(costs, config, fixed_k=request.num_speculative_tokens)
+        self._ngrams = RequestNgrams(
+            request.prompt_ids, config.ngram_min_n, config.ngram_max_n, shared_ngrams
+        )
+        self._choices = ProposerChoice(request.proposer, self._controller, self._ngrams)
         self._recorder = StatsRecorder(config.max_speculative_tokens)
         self._ids = list(request.prompt_ids)  # the committed sequence: prompt + completion
         self._known = {"draft": 0, "target": 0}  # committed length each side has confirmed
@@ -141,11 +152,7 @@ class RoundLoop:
         when the target has it, and rounds run at k = 0 until the draft's cache is built (or
         its prefill failed, see DraftAvailability).
         """
-        if (
-            self._request.num_speculative_tokens != 0
-            and self._config.concurrent_prefill
-            and self._draft.available()
-        ):
+        if self._choices.uses_draft and self._config.concurrent_prefill and self._draft.available():
             self._draft_prefill = asyncio.ensure_future(self._propose(0))
         traffic = self._controller.costs.traffic
         traffic.prefill_started()
@@ -190,20 +197,19 @@ class RoundLoop:
         return self._controller.costs.traffic.prefills_pending == 0
 
     async def _round(self) -> Delta:
-        draft_lag = len(self._ids) - self._known["draft"] - self._draft_ran
-        plan = self._controller.choose(self._checker.remaining - 1, draft_lag=draft_lag)
-        if plan.k > 0 and not await self._draft_ready():
-            plan = plan._replace(k=0)
+        choice = await self._choose()
         start = time.perf_counter()
         proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
-        without_draft = plan.k > 0 and not self._draft.available()
-        if plan.k > 0 and not without_draft:
-            proposal, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
-            without_draft = proposal is None
-            proposal = proposal or worker_pb2.ProposeResponse()
-        q = proposal.q if proposal.HasField("q") else None
-        drafts = list(proposal.token_ids)
+        if choice.source == DRAFT:
+            plan = choice.plan
+            response, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
+            if response is None:  # the draft failed: n-gram lookup stands in this round
+                limit = self._checker.remaining - 1
+                choice = self._choices.fallback(limit)._replace(without_draft=True)
+            proposal = response or proposal
+        drafts, q = self._proposed(choice, proposal)
         verified, target_rebuilt = await self._verify(drafts, q)
+        ngram = choice.source == NGRAM
         timing = RoundTiming(
             verify_s=verified.compute_s,
             draft_s=proposal.compute_s,
@@ -214,24 +220,54 @@ class RoundLoop:
             target_rebuilt=target_rebuilt,
             batch_sessions=verified.batch_sessions,
             batch_rows=verified.batch_rows,
+            draft_free=ngram,
         )
         drafted, accepted = len(drafts), verified.num_accepted
-        if drafted:
+        if drafted and not ngram:
             self._draft_ran = min(accepted, drafted - 1)
         self._controller.observe(drafted, accepted, timing, proposal.confidences)
+        if ngram:
+            self._choices.observe_ngram(choice, accepted)
         self._recorder.round(
             drafted,
             accepted,
             timing.draft_s,
             timing.verify_s,
             timing.overhead_s,
-            without_draft=without_draft,
+            without_draft=choice.without_draft,
+            ngram=ngram,
         )
         return self._commit(verified)
+
+    async def _choose(self) -> Proposal:
+        """This round's proposal (ProposerChoice.choose), from whether the draft can be
+        called now."""
+        draft_lag = len(self._ids) - self._known["draft"] - self._draft_ran
+        available = self._choices.uses_draft and self._draft.available()
+        ready = available and await self._draft_ready()
+        return self._choices.choose(self._checker.remaining - 1, draft_lag, available, ready)
+
+    def _proposed(
+        self, choice: Proposal, proposal: worker_pb2.ProposeResponse
+    ) -> tuple[list[int], worker_pb2.SparseDistribution | None]:
+        """The tokens the round verifies and, when sampling, the q they were drawn from: the
+        draft's, or for an n-gram proposal a point mass on each token (q(x) = 1: the target
+        accepts x with probability p(x), else samples from p without x; Leviathan et al.
+        2023, section 2.3, for a deterministic draft)."""
+        if choice.source != NGRAM:
+            return list(proposal.token_ids), proposal.q if proposal.HasField("q") else None
+        drafts = list(choice.tokens)
+        if self._sampling.temperature == 0:
+            return drafts, None
+        point_mass = worker_pb2.SparseDistribution(
+            width=1, token_ids=drafts, probs=[1.0] * len(drafts)
+        )
+        return drafts, point_mass
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
         delta = self._checker.append(list(verified.token_ids), list(verified.logprobs))
         self._ids.extend(delta.token_ids)
+        self._ngrams.commit(delta.token_ids)
         return delta
 
     async def _propose(
@@ -308,6 +344,7 @@ class RoundLoop:
 
     def _finish(self) -> None:
         checker = self._checker
+        self._ngrams.finish()
         self.completion = Completion(
             token_ids=list(checker.token_ids),
             text=checker.text,

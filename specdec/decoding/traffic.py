@@ -69,6 +69,8 @@ class RequestTraffic:
         self._exploring: dict[int, tuple[float, object]] = {}
         # Each KController's acceptance prior: the acceptance of these requests' recent rounds.
         self.pooled_acceptance = PooledAcceptance()
+        # The same for the rounds proposed by n-gram lookup (specdec.decoding.proposers).
+        self.pooled_ngram_acceptance = PooledAcceptance()
 
     def observe_batch(self, batch_sessions: int) -> None:
         """Records the sessions that shared a round's verify batch (0 or 1: a lone verify)."""

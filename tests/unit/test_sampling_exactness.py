@@ -16,6 +16,11 @@ The same tests run with the draft truncating q to its top TOP_N tokens (below th
 the verifier then sees a sparse q with most tokens at probability 0, and exactness must hold
 for that q too; a broken variant that reports the untruncated q for draws made from the
 truncated one must fail.
+
+N-gram lookup's proposals (specdec.decoding.ngram) are deterministic: q is a point mass on each
+proposed token. NGRAM_PROMPT is a cycle through the whole vocabulary, so whatever the first
+token, lookup proposes the two that followed it in the prompt; the far target rarely agrees, so
+most rounds take the residual p without x, and resampling from p instead must fail.
 """
 
 from __future__ import annotations
@@ -47,12 +52,15 @@ TOP_N = 4  # the truncating draft's q: 4 of the 32 tokens
 NEIGHBOURS = 8  # requests served together: their verify calls share batched forwards
 
 
+NGRAM_PROMPT = " ".join(f"w{i}" for i in range(VOCAB - 1)) + " w0"
 ENGINES = {
     "far_engine": {},
+    "ngram_engine": {"proposer": "ngram", "ngram_min_n": 1},
     "truncating_engine": {"draft_top_n": TOP_N},
     # the static runner (specdec.worker.static): sampled rows go through the host's sampler
     "static_engine": {"runner": "static", "max_model_len": 64, "cache_capacity_bytes": 2**24},
 }
+PROMPTS = {"ngram_engine": NGRAM_PROMPT}  # the engines that do not sample PROMPT
 WORKERS = 2  # processes sharing the seeds: each request's forwards run one thread at a time
 
 
@@ -105,8 +113,9 @@ def _worker_counts(engine_name, k, params, group_starts, variant):
             *_WORKER["pair"], **ENGINES[engine_name]
         )
     seeds = [s for start in group_starts for s in range(start, min(start + NEIGHBOURS, N))]
+    prompt = PROMPTS.get(engine_name, PROMPT)
     with _variant(variant):
-        return _counts(_completions(_WORKER[engine_name], k, params, seeds))
+        return _counts(_completions(_WORKER[engine_name], k, params, seeds, prompt))
 
 
 def _variant(name):
@@ -121,13 +130,14 @@ def _variant(name):
     return contextlib.nullcontext()
 
 
-def _completions(engine, k, params, seeds):
-    """The completions of ``seeds``, NEIGHBOURS requests at a time sharing batches."""
+def _completions(engine, k, params, seeds, prompt=PROMPT):
+    """The completions of ``prompt`` for ``seeds``, NEIGHBOURS requests at a time sharing
+    batches."""
 
     async def together(group):
         # max_new_tokens 4: the first round may then draft 2 (k is capped by the tokens left).
         requests = [SamplingParams(max_new_tokens=4, seed=seed, **params) for seed in group]
-        return await asyncio.gather(*(engine.agenerate(PROMPT, r, k) for r in requests))
+        return await asyncio.gather(*(engine.agenerate(prompt, r, k) for r in requests))
 
     seeds = list(seeds)
     groups = [seeds[i : i + NEIGHBOURS] for i in range(0, len(seeds), NEIGHBOURS)]
@@ -136,7 +146,7 @@ def _completions(engine, k, params, seeds):
 
 def _counts(completions):
     """([2, VOCAB + 1] counts of the tokens at completion positions 2 and 3, [2] how often
-    each of the first two draft positions was drafted)."""
+    each of the first two draft positions was proposed)."""
     counts = np.zeros((2, VOCAB + 1))
     drafted = np.zeros(2)
     for out in completions:
@@ -148,9 +158,10 @@ def _counts(completions):
 
 
 @torch.inference_mode()
-def _exact(engine, params):
-    """[2, VOCAB + 1] exact target-only marginals of positions 2 and 3 (END absorbs EOS)."""
-    prompt = engine.tokenizer.encode(PROMPT)
+def _exact(engine, params, prompt=PROMPT):
+    """[2, VOCAB + 1] exact target-only marginals of positions 2 and 3 after ``prompt`` (END
+    absorbs EOS)."""
+    prompt = engine.tokenizer.encode(prompt)
     eos = engine.tokenizer.eos_token_id
 
     def next_probs(prefixes):
@@ -244,6 +255,29 @@ def test_the_test_catches_a_wrong_residual(far_engine, sampled):
     exact = _exact(far_engine, params)
     broken, _ = sampled("far_engine", 1, params, variant="wrong_residual")
     assert _fit_pvalue(broken[0], exact[0]) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 8}])
+def test_ngram_proposals_sample_the_target_distribution(far_engine, sampled, params):
+    """A point-mass q (n-gram lookup's proposals, two per round) keeps the output exact; the
+    first round proposed two tokens for nearly every seed (the prompt holds every token)."""
+    exact = _exact(far_engine, params, NGRAM_PROMPT)
+    counts, proposed = sampled("ngram_engine", 2, params)
+    assert proposed[1] > 0.9 * N
+    for position in range(2):
+        pvalue = _fit_pvalue(counts[position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
+
+
+@pytest.mark.slow
+def test_the_ngram_test_catches_a_wrong_residual(far_engine, sampled):
+    """The same test, run against resampling from p (x included) after a rejection of an n-gram
+    token, must fail: it has power."""
+    params = {"temperature": 1.0}
+    exact = _exact(far_engine, params, NGRAM_PROMPT)
+    broken, _ = sampled("ngram_engine", 2, params, variant="wrong_residual")
+    assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6
 
 
 def _untruncated_q(probs, top_n):

@@ -1,0 +1,175 @@
+"""Who proposes a round's tokens: the draft model, n-gram lookup, or nobody (k = 0).
+
+A request's ``proposer`` (specdec.config.PROPOSERS) bounds the choice:
+
+- ``none``: every round verifies one position (plain target decoding).
+- ``ngram``: n-gram lookup only (specdec.decoding.ngram); the draft model is never called.
+- ``draft``: the draft model, as KController plans it; n-gram lookup only while the draft side
+  cannot be called (down, slow, or its prefill still running).
+- ``auto``: each round, the best of the draft's plan (KController: its k, priced at the draft's
+  measured acceptance and costs) and the n-gram proposal (its length m, priced at the measured
+  acceptance of n-gram proposals that matched as long an n-gram, for a verify of m tokens and
+  one call); a k = 0 plan is among them. A fixed ``num_speculative_tokens`` drafts that many
+  with the draft model, as under ``draft``.
+
+N-gram lookup and the draft model are never mixed within one round: a round's proposal is one
+or the other. Either way the draft model's cache catches up on the committed tokens it missed
+at its next call (KController prices that catch-up).
+
+The acceptance of n-gram proposals is estimated per request and per matched n-gram length (a
+4-gram match predicts its continuation better than a 2-gram one), each from a prior that is
+the pooled acceptance of every request's n-gram rounds on this router
+(RequestTraffic.pooled_ngram_acceptance).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from specdec.config import AUTO
+from specdec.decoding.acceptance import AcceptanceEstimator, expected_tokens
+from specdec.decoding.costs import CostModel
+from specdec.decoding.k_policy import KController, RoundPlan
+from specdec.decoding.ngram import RequestNgrams
+
+DRAFT, NGRAM, NONE = "draft", "ngram", "none"
+# Rounds in a row that pass over an n-gram match before one is verified anyway (a probe).
+NGRAM_PROBE_EVERY = 16
+
+
+class Proposal(NamedTuple):
+    """One round's choice.
+
+    Attributes:
+        source: DRAFT (call the draft model with ``plan``), NGRAM (verify ``tokens``), or NONE
+            (verify nothing: k = 0).
+        plan: the draft's plan (its k and confidence floor); for NGRAM and NONE, k is the
+            number of tokens proposed.
+        tokens: the n-gram proposal (NGRAM only).
+        ngram_n: the length of the n-gram it matched (NGRAM only).
+        without_draft: the round would have called the draft model but could not (the draft
+            side unavailable): it counts in rounds_without_draft.
+    """
+
+    source: str
+    plan: RoundPlan
+    tokens: tuple[int, ...] = ()
+    ngram_n: int = 0
+    without_draft: bool = False
+
+
+class ProposerChoice:
+    """Chooses each round's proposer for one request (module docstring).
+
+    Args:
+        proposer: the request's proposer (specdec.config.PROPOSERS).
+        controller: the request's KController (the draft's plan, the costs).
+        ngrams: the request's n-gram lookup.
+    """
+
+    def __init__(self, proposer: str, controller: KController, ngrams: RequestNgrams) -> None:
+        self.proposer = proposer
+        self._controller = controller
+        self._ngrams = ngrams
+        self._ngram_acceptance: dict[int, AcceptanceEstimator] = {}
+        self._ngram_passed = 0  # rounds in a row whose n-gram match went unverified
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether this request may call the draft model at all."""
+        return self.proposer in (AUTO, DRAFT) and self._controller.fixed_k != 0
+
+    @property
+    def costs(self) -> CostModel:
+        return self._controller.costs
+
+    def choose(
+        self, limit: int, draft_lag: int, draft_available: bool, draft_ready: bool
+    ) -> Proposal:
+        """The next round's proposal.
+
+        Args:
+            limit: tokens left before a length stop, minus one (the most a round may propose).
+            draft_lag: committed tokens the draft's cache lacks (KController.choose).
+            draft_available: the draft side answers (specdec.decoding.degrade).
+            draft_ready: this request's draft may be called now (its prefill has ended).
+        """
+        controller = self._controller
+        cap, fixed = self._cap(limit), controller.fixed_k is not None
+        if self.proposer == NONE or cap == 0:
+            return Proposal(NONE, RoundPlan(0))
+        if self.proposer == NGRAM:
+            return self._ngram_or_none(cap)
+        plan = controller.choose(limit, draft_lag=draft_lag)
+        only_draft = self.proposer == DRAFT or fixed
+        if plan.k == 0 and only_draft:
+            return Proposal(NONE, plan)
+        if not (draft_available and draft_ready):
+            # The draft cannot be called now: n-gram lookup stands in for it.
+            fallback = self._ngram_or_none(cap)
+            return fallback._replace(without_draft=plan.k > 0 and not draft_available)
+        drafted = Proposal(DRAFT if plan.k else NONE, plan)
+        if only_draft or plan.tokens_per_s is None and plan.k:
+            return drafted  # a fixed k; or the draft's plan was not priced (a probe, no costs)
+        ngram = self._ngram_or_none(cap, probe=True)
+        rate = ngram.plan.tokens_per_s
+        if ngram.source == NGRAM and (rate is None or rate > (plan.tokens_per_s or 0.0)):
+            self._ngram_passed = 0
+            return ngram
+        self._ngram_passed += ngram.source == NGRAM
+        return drafted
+
+    def fallback(self, limit: int) -> Proposal:
+        """The round's proposal when its draft call failed: n-gram lookup's, or NONE."""
+        return self._ngram_or_none(self._cap(limit))
+
+    def _cap(self, limit: int) -> int:
+        """The most tokens a round may propose: k_max, the request's fixed k, ``limit``."""
+        cap = max(0, min(limit, self._controller.config.max_speculative_tokens))
+        fixed_k = self._controller.fixed_k
+        return cap if fixed_k is None else min(cap, fixed_k)
+
+    def _ngram_or_none(self, cap: int, probe: bool = False) -> Proposal:
+        """The n-gram proposal cut to the length m <= cap of the highest predicted goodput,
+        where m = 0 (NONE) is one choice (all of it where costs are not ready yet); NONE
+        without a match.
+
+        A request whose n-gram proposals are priced below k = 0 (or, with ``probe``, below the
+        draft's plan) for NGRAM_PROBE_EVERY rounds in a row verifies its next one anyway, so
+        that a low estimate, its own or the pooled prior it started from, can recover.
+        Without it a router whose first requests were chat would never try n-gram lookup on a
+        later summary."""
+        tokens, n = self._ngrams.propose(cap)
+        if not tokens:
+            return Proposal(NONE, RoundPlan(0))
+        costs = self.costs
+        if not costs.ready or self._ngram_passed >= NGRAM_PROBE_EVERY:
+            return Proposal(NGRAM, RoundPlan(len(tokens)), tuple(tokens), n)
+        rate = self._acceptance(n).rate
+        sessions = costs.traffic.batch_load
+
+        def tokens_per_s(m: int) -> float:
+            return expected_tokens(rate, m) / costs.draft_free_round_seconds(m, sessions)
+
+        best = max(range(len(tokens) + 1), key=tokens_per_s)
+        if best == 0 and not probe:
+            self._ngram_passed += 1
+            return Proposal(NONE, RoundPlan(0, tokens_per_s=tokens_per_s(0)), tuple(tokens), n)
+        best = max(best, 1)
+        return Proposal(
+            NGRAM, RoundPlan(best, tokens_per_s=tokens_per_s(best)), tuple(tokens[:best]), n
+        )
+
+    def _acceptance(self, n: int) -> AcceptanceEstimator:
+        estimator = self._ngram_acceptance.get(n)
+        if estimator is None:
+            pooled = self.costs.traffic.pooled_ngram_acceptance.rate
+            estimator = self._ngram_acceptance[n] = AcceptanceEstimator(pooled)
+        return estimator
+
+    def observe_ngram(self, proposal: Proposal, num_accepted: int) -> None:
+        """Records how many tokens of an NGRAM proposal the target accepted."""
+        k = len(proposal.tokens)
+        self._ngram_passed = 0
+        self._acceptance(proposal.ngram_n).observe(k, num_accepted)
+        self.costs.traffic.pooled_ngram_acceptance.observe(k, num_accepted)

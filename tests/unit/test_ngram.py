@@ -1,0 +1,201 @@
+"""N-gram lookup (specdec.decoding.ngram) and the per-round proposer choice
+(specdec.decoding.proposers)."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from specdec.config import SpeculationConfig
+from specdec.decoding.acceptance import AcceptanceEstimator
+from specdec.decoding.costs import CostModel, CostPrior, RoundTiming
+from specdec.decoding.k_policy import KController, RoundPlan
+from specdec.decoding.ngram import NgramIndex, RequestNgrams, SharedNgrams
+from specdec.decoding.proposers import DRAFT, NGRAM, NGRAM_PROBE_EVERY, NONE, ProposerChoice
+
+# --- the indexes -------------------------------------------------------------------------------
+
+
+def _reference_propose(tokens, min_n, max_n, k):
+    """The definition, by brute force: the longest n-gram ending ``tokens`` that occurred
+    earlier, its latest earlier occurrence, and up to k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # occurrence tokens[end - n : end]
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + k], n
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lookup_is_the_latest_occurrence_of_the_longest_match(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 80))]
+    index = NgramIndex(2, 4)
+    index.extend(tokens[:5])
+    index.extend(tokens[5:])
+    for k in (1, 3, 8):
+        assert index.propose(tokens, k) == _reference_propose(tokens, 2, 4, k)
+
+
+def test_lookup_never_matches_the_context_with_itself():
+    index = NgramIndex(1, 3)
+    index.extend([5, 6, 7])
+    assert index.propose([5, 6, 7], 4) == ([], 0)
+    index.extend([5, 6])
+    assert index.propose([5, 6, 7, 5, 6], 4) == ([7, 5, 6], 2)
+
+
+def test_a_request_reads_another_request_only_through_the_shared_index():
+    shared = SharedNgrams(10**6, 2, 3)
+    first = RequestNgrams([1, 2], 2, 3, shared)
+    first.commit([3, 4, 5, 6])
+    first.finish()  # its completion [3, 4, 5, 6] enters the shared index
+    alone = RequestNgrams([9, 3, 4], 2, 3, None)
+    assert alone.propose(4) == ([], 0)
+    reader = RequestNgrams([9, 3, 4], 2, 3, shared)
+    assert reader.propose(4) == ([5, 6], 2)
+    reader.commit([5, 9, 3])  # its own text matches [9, 3] -> 4 and wins over the shared
+    assert reader.propose(2) == ([4, 5], 2)
+
+
+def test_the_shared_index_forgets_the_oldest_completion_and_never_spans_two():
+    shared = SharedNgrams(8 * 220 * 2, 2, 3)  # 8 tokens
+    assert shared.capacity_tokens == 8
+    shared.add([1, 2, 3, 4, 5])
+    assert shared.propose([1, 2], 3) == ([3, 4, 5], 2)
+    shared.add([6, 7, 8, 9])  # 9 overwrites 1 (position 0)
+    assert shared.propose([1, 2], 3) == ([3, 4, 5], 2)  # what follows [1, 2] is still held
+    assert shared.propose([8, 3, 4], 3) == ([5, 6, 7], 2)  # continuations may run on
+    assert shared.propose([5, 6], 2) == ([], 0)  # [5, 6] spans two completions: not indexed
+    shared.add([10, 11])  # overwrites 2 and 3: [1, 2]'s continuation is gone, and its key
+    assert shared.propose([1, 2], 3) == ([], 0)
+    assert shared.propose([3, 4], 3) == ([5, 6, 7], 2)
+    assert len(shared) <= shared.capacity_tokens * 2
+
+
+def test_the_shared_index_stays_within_its_bytes():
+    bound = 4 * 1024**2
+    shared = SharedNgrams(bound, 2, 4)
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        for _ in range(400):  # about 3x its capacity of tokens, ids of a real vocabulary
+            shared.add([rng.randrange(150_000) for _ in range(rng.randrange(50, 200))])
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 0.3 * bound < used - base <= bound
+    assert len(shared) <= shared.capacity_tokens * 3
+
+
+def test_a_bound_below_one_token_is_refused():
+    with pytest.raises(ValueError, match="shared_ngram_bytes"):
+        SharedNgrams(100, 2, 4)
+
+
+# --- the choice --------------------------------------------------------------------------------
+
+
+def _costs(verify_s, step_s=0.05, k_max=8):
+    """A CostModel whose verify of k tokens took verify_s(k) and draft step step_s (measured)."""
+    config = SpeculationConfig(max_speculative_tokens=k_max, dynamic_draft_length=False)
+    costs = CostModel(config, CostPrior([verify_s(k) for k in range(k_max + 1)], step_s))
+    for k in range(k_max + 1):
+        for _ in range(10):
+            timing = RoundTiming(
+                verify_s=verify_s(k),
+                draft_s=step_s * k,
+                catchup_s=step_s if k else 0.0,
+                catchup_tokens=1 if k else 0,
+            )
+            costs.observe(k, timing)
+    return costs, config
+
+
+def _choice(proposer, tokens, draft_rate=0.8, ngram_rate=0.8, fixed_k=None, verify=None):
+    """A request's ProposerChoice over ``tokens``, its draft's and its 2-gram matches'
+    acceptance rates estimated at draft_rate and ngram_rate."""
+    costs, config = _costs(verify or (lambda k: 0.1))
+    controller = KController(costs, config, fixed_k=fixed_k)
+    controller.acceptance = AcceptanceEstimator(draft_rate)
+    costs.traffic.pooled_ngram_acceptance = _Pooled(ngram_rate)
+    return ProposerChoice(proposer, controller, RequestNgrams(tokens, 2, 4))
+
+
+class _Pooled:
+    def __init__(self, rate):
+        self.rate = rate
+
+    def observe(self, k, num_accepted):
+        pass
+
+
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]  # ends with [1, 2]: lookup proposes 3, 4, 5, ...
+FRESH = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # no match
+
+
+def test_none_and_fixed_k_zero_propose_nothing():
+    assert _choice("none", REPEATING).choose(100, 0, True, True).source == NONE
+    assert _choice("auto", REPEATING, fixed_k=0).choose(100, 0, True, True).source == NONE
+    assert not _choice("auto", REPEATING, fixed_k=0).uses_draft
+
+
+def test_ngram_proposes_its_match_and_nothing_without_one():
+    proposal = _choice("ngram", REPEATING).choose(100, 0, True, True)
+    assert proposal.source == NGRAM and proposal.tokens == tuple(REPEATING[2:])[: proposal.plan.k]
+    assert proposal.plan.k >= 1 and proposal.ngram_n == 2
+    assert _choice("ngram", FRESH).choose(100, 0, True, True).source == NONE
+
+
+def test_the_proposal_respects_the_tokens_left_and_a_fixed_k():
+    assert len(_choice("ngram", REPEATING).choose(2, 0, True, True).tokens) <= 2
+    assert len(_choice("ngram", REPEATING, fixed_k=1).choose(100, 0, True, True).tokens) == 1
+
+
+@pytest.mark.parametrize("proposer", ["auto", "draft"])
+def test_a_draft_that_cannot_be_called_falls_back_to_ngram_lookup(proposer):
+    down = _choice(proposer, REPEATING).choose(100, 0, draft_available=False, draft_ready=False)
+    assert down.source == NGRAM and down.without_draft
+    pending = _choice(proposer, REPEATING).choose(100, 0, draft_available=True, draft_ready=False)
+    assert pending.source == NGRAM and not pending.without_draft  # prefill still running
+    fresh = _choice(proposer, FRESH).choose(100, 0, draft_available=False, draft_ready=False)
+    assert fresh.source == NONE and fresh.without_draft
+
+
+def test_draft_uses_the_draft_model_whenever_it_answers():
+    choice = _choice("draft", REPEATING, draft_rate=0.2, ngram_rate=1.0)
+    assert choice.choose(100, 0, True, True).source in (DRAFT, NONE)
+
+
+def test_auto_takes_the_proposer_of_the_higher_goodput():
+    # A flat verify: n-gram tokens cost nothing, draft tokens a step each.
+    good_ngram = _choice("auto", REPEATING, draft_rate=0.6, ngram_rate=0.9)
+    assert good_ngram.choose(100, 0, True, True).source == NGRAM
+    bad_ngram = _choice("auto", REPEATING, draft_rate=0.9, ngram_rate=0.05)
+    proposal = bad_ngram.choose(100, 0, True, True)
+    assert proposal.source == DRAFT and proposal.plan.k >= 2
+    assert _choice("auto", FRESH, draft_rate=0.9).choose(100, 0, True, True).source == DRAFT
+
+
+def test_auto_with_a_fixed_k_drafts_with_the_draft_model():
+    choice = _choice("auto", REPEATING, draft_rate=0.1, ngram_rate=1.0, fixed_k=3)
+    assert choice.choose(100, 0, True, True) == (DRAFT, RoundPlan(3), (), 0, False)
+
+
+def test_ngram_lookup_is_cut_where_more_tokens_cost_more_than_they_bring():
+    # A verify that grows 50% a token (float32 on an AVX2 CPU) and acceptance 0.3: one token.
+    choice = _choice("ngram", REPEATING, ngram_rate=0.3, verify=lambda k: 0.1 * (1 + 0.5 * k))
+    assert choice.choose(100, 0, True, True).source == NONE
+    choice = _choice("ngram", REPEATING, ngram_rate=0.9, verify=lambda k: 0.1 * (1 + 0.05 * k))
+    assert len(choice.choose(100, 0, True, True).tokens) >= 3
+
+
+def test_a_passed_over_match_is_verified_again_after_the_probe_interval():
+    choice = _choice("auto", REPEATING, draft_rate=0.95, ngram_rate=0.0)
+    sources = [choice.choose(100, 0, True, True).source for _ in range(NGRAM_PROBE_EVERY + 1)]
+    assert sources[:NGRAM_PROBE_EVERY] == [DRAFT] * NGRAM_PROBE_EVERY
+    assert sources[NGRAM_PROBE_EVERY] == NGRAM
