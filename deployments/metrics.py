@@ -132,8 +132,8 @@ class RouterMetrics:
 
         Counters take the stats' raw counts (Ray's counters refuse increments of 0, so a zero
         count adds nothing); the draft model's share of the proposed and accepted tokens is the
-        total less n-gram lookup's. Tokens per round and the per-round seconds are the stats' figures
-        per decode round; a request without a decode round adds to neither histogram.
+        total less n-gram lookup's. Tokens per round and the per-round seconds are the stats'
+        figures per decode round; a request without a decode round adds to neither histogram.
         """
         for counter, value in (
             (self.rounds, stats.rounds),
