@@ -10,7 +10,10 @@ the ``deployment``, ``replica`` and ``application`` tags itself.
 The speculation counters cover vLLM's spec-decode metrics (num_drafts, num_draft_tokens,
 num_accepted_tokens, num_accepted_tokens_per_pos); with ``specdec_decode_rounds`` every derived
 figure of specdec.decoding.stats is a ratio of two counters' rates, e.g. acceptance rate =
-accepted_tokens / draft_tokens and mean k = draft_tokens / decode_rounds.
+accepted_tokens / draft_tokens and mean k = draft_tokens / decode_rounds. Those count every
+proposer's tokens; ``specdec_proposed_tokens`` and ``specdec_proposed_accepted_tokens`` split them
+by the tag ``proposer`` (``draft``: the draft model, ``ngram``: n-gram lookup in the router), and
+``specdec_ngram_rounds`` counts the decode rounds n-gram lookup proposed.
 k8s/monitoring/grafana-dashboard.json plots them.
 """
 
@@ -60,10 +63,23 @@ class RouterMetrics:
             "specdec_drafts", "Decode rounds that drafted at least one token."
         )
         self.draft_tokens = metrics.Counter(
-            "specdec_draft_tokens", "Tokens proposed by the draft model."
+            "specdec_draft_tokens", "Tokens proposed, by every proposer."
         )
         self.accepted_tokens = metrics.Counter(
-            "specdec_accepted_tokens", "Draft tokens accepted by the target."
+            "specdec_accepted_tokens", "Proposed tokens accepted by the target."
+        )
+        self.proposed_tokens = metrics.Counter(
+            "specdec_proposed_tokens",
+            "Tokens proposed by `proposer` (draft: the draft model, ngram: n-gram lookup).",
+            tag_keys=("proposer",),
+        )
+        self.proposed_accepted_tokens = metrics.Counter(
+            "specdec_proposed_accepted_tokens",
+            "Tokens proposed by `proposer` and accepted by the target.",
+            tag_keys=("proposer",),
+        )
+        self.ngram_rounds = metrics.Counter(
+            "specdec_ngram_rounds", "Decode rounds whose proposal came from n-gram lookup."
         )
         self.draft_tokens_per_position = metrics.Counter(
             "specdec_draft_tokens_per_position",
@@ -80,7 +96,8 @@ class RouterMetrics:
         )
         self.rounds_without_draft = metrics.Counter(
             "specdec_rounds_without_draft",
-            "Decode rounds run at k = 0 because the draft side was unavailable or failed.",
+            "Decode rounds that could not call the draft model because the draft side was "
+            "unavailable or failed (n-gram proposals where the text had a match, else k = 0).",
         )
         self.draft_available = metrics.Gauge(
             "specdec_draft_available",
@@ -114,8 +131,9 @@ class RouterMetrics:
         """Adds one finished request's SpeculationStats and its latency (seconds).
 
         Counters take the stats' raw counts (Ray's counters refuse increments of 0, so a zero
-        count adds nothing). Tokens per round and the per-round seconds are the stats' figures
-        per decode round; a request without a decode round adds to neither histogram.
+        count adds nothing); the draft model's share of the proposed and accepted tokens is the
+        total less n-gram lookup's. Tokens per round and the per-round seconds are the stats'
+        figures per decode round; a request without a decode round adds to neither histogram.
         """
         for counter, value in (
             (self.rounds, stats.rounds),
@@ -125,8 +143,20 @@ class RouterMetrics:
             (self.accepted_tokens, stats.accepted_tokens),
             (self.completion_tokens, stats.completion_tokens),
             (self.rounds_without_draft, stats.rounds_without_draft),
+            (self.ngram_rounds, stats.ngram_rounds),
         ):
             _add(counter, value)
+        for proposer, proposed, accepted in (
+            (
+                "draft",
+                stats.draft_tokens - stats.ngram_draft_tokens,
+                stats.accepted_tokens - stats.ngram_accepted_tokens,
+            ),
+            ("ngram", stats.ngram_draft_tokens, stats.ngram_accepted_tokens),
+        ):
+            tags = {"proposer": proposer}
+            _add(self.proposed_tokens, proposed, tags)
+            _add(self.proposed_accepted_tokens, accepted, tags)
         for position, (drafted, accepted) in enumerate(
             zip(stats.drafted_per_position, stats.accepted_per_position)
         ):

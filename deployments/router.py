@@ -317,7 +317,14 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             messages or None,
         )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else AUTO
-        prepared = prepare_request(prompt_ids, params, await self._limits(), k)
+        prepared = prepare_request(
+            prompt_ids,
+            params,
+            await self._limits(),
+            k,
+            proposer=request.proposer if request.HasField("proposer") else None,
+            default_proposer=self.config.speculation.proposer,
+        )
         transport = HandleTransport(
             self.draft, self.target, prepared.session_id, self.config.service
         )

@@ -25,8 +25,12 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     num_speculative_tokens: int | None = None,
     logprobs: bool = False,
+    proposer: str | None = None,
 ) -> specdec_pb2.GenerateRequest:
-    """A GenerateRequest; fields left None stay unset (server defaults; k unset = adaptive)."""
+    """A GenerateRequest; fields left None stay unset (server defaults; k unset = adaptive;
+    ``proposer`` unset = the service's speculation.proposer, one of specdec.config.PROPOSERS).
+    The server validates the values (INVALID_ARGUMENT naming the field); a value of the wrong
+    type raises TypeError here, from protobuf."""
     request = specdec_pb2.GenerateRequest(
         prompt=prompt or "",
         stop=list(stop),
@@ -41,6 +45,7 @@ def build_request(
         "top_k": top_k,
         "seed": seed,
         "num_speculative_tokens": num_speculative_tokens,
+        "proposer": proposer,
     }
     for name, value in optional.items():
         if value is not None:

@@ -201,6 +201,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int | str = AUTO,
         *,
         messages: Sequence[dict[str, Any]] | None = None,
+        proposer: str | None = None,
     ) -> Completion:
         """Generates one completion.
 
@@ -209,13 +210,17 @@ class SpeculativeEngine:
             params: sampling and stop parameters (defaults: greedy, 64 new tokens).
             num_speculative_tokens: k per round, an int in [0, k_max] (0 = target only), or
                 "auto" to choose k each round from measured acceptance and costs.
+            proposer: who proposes each round's tokens, one of specdec.config.PROPOSERS; None
+                takes the engine's ``speculation.proposer``.
         Returns:
             Completion: token_ids, text, finish_reason ("stop" | "length"), logprobs (target
             log-probabilities of token_ids), prompt_tokens and stats.
         Raises:
             InvalidRequestError (a ValueError) naming the invalid field.
         """
-        request = self.agenerate(prompt, params, num_speculative_tokens, messages=messages)
+        request = self.agenerate(
+            prompt, params, num_speculative_tokens, messages=messages, proposer=proposer
+        )
         return asyncio.run(request)
 
     async def agenerate(
@@ -225,6 +230,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int | str = AUTO,
         *,
         messages: Sequence[dict[str, Any]] | None = None,
+        proposer: str | None = None,
     ) -> Completion:
         """generate() as a coroutine. Requests awaited together (asyncio.gather) share
         batched draft and verify forwards (TargetVerifier.verify_batch,
@@ -232,7 +238,8 @@ class SpeculativeEngine:
         token for token; sampled with a fixed k, token for token for the same seed (target
         rows run in exact widths, and a sampled request drafts alone); sampled with k auto, in
         distribution (each round's k then depends on the load). Raises as generate()."""
-        return await self._round_loop(prompt, params, num_speculative_tokens, messages).complete()
+        loop = self._round_loop(prompt, params, num_speculative_tokens, messages, proposer)
+        return await loop.complete()
 
     async def generate_stream(
         self,
@@ -241,17 +248,23 @@ class SpeculativeEngine:
         num_speculative_tokens: int | str = AUTO,
         *,
         messages: Sequence[dict[str, Any]] | None = None,
+        proposer: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Like generate, yielding one Delta per round (text deltas concatenate to the text)."""
-        loop = self._round_loop(prompt, params, num_speculative_tokens, messages)
+        loop = self._round_loop(prompt, params, num_speculative_tokens, messages, proposer)
         async with contextlib.aclosing(loop.run()) as deltas:
             async for delta in deltas:
                 yield delta
 
-    def _round_loop(self, prompt, params, num_speculative_tokens, messages) -> RoundLoop:
+    def _round_loop(self, prompt, params, num_speculative_tokens, messages, proposer) -> RoundLoop:
         prompt_ids = encode_prompt(self.tokenizer, prompt, messages)
         request = prepare_request(
-            prompt_ids, params or SamplingParams(), self.limits, num_speculative_tokens
+            prompt_ids,
+            params or SamplingParams(),
+            self.limits,
+            num_speculative_tokens,
+            proposer=proposer,
+            default_proposer=self.config.speculation.proposer,
         )
         return RoundLoop(
             self.transport,

@@ -53,6 +53,7 @@ _COMMON = frozenset(
         # specdec's extensions, as in gRPC's GenerateRequest
         "top_k",
         "num_speculative_tokens",
+        "proposer",
         "stop_token_ids",
     }
 )
@@ -198,6 +199,9 @@ def parse(endpoint: str, body: Any) -> OpenAIRequest:
                 "num_speculative_tokens", f"must be 'auto' or an integer, got {k!r}", "invalid_type"
             )
         _set(request, "num_speculative_tokens", k)
+    if "proposer" in body:
+        # Its value is the router's to check (prepare_request), as for gRPC.
+        request.proposer = _typed(body, "proposer", str)
     stop = body.get("stop", [])
     request.stop.extend(_list_of(body, "stop", str, [stop] if isinstance(stop, str) else stop))
     request.stop_token_ids.extend(_list_of(body, "stop_token_ids", int))

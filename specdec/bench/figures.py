@@ -27,6 +27,25 @@ BASELINES = {"plain": PLAIN, "k0": TARGET_ONLY}  # key suffix -> the mode it div
 MODE_ORDER = (PLAIN, TARGET_ONLY, SPECULATIVE, ENGINE, HF_ASSISTED)  # the table's rows
 
 
+def speculative_mode(proposer: str | None) -> str:
+    """The mode name of the service's speculative runs with a request's ``proposer``
+    (specdec.config.PROPOSERS): ``speculative`` when unset (the service's default),
+    ``speculative_<proposer>`` otherwise."""
+    return SPECULATIVE if proposer is None else f"{SPECULATIVE}_{proposer}"
+
+
+def is_speculative(mode: str) -> bool:
+    """Whether ``mode`` is one of the service's speculative modes (speculative_mode)."""
+    return mode == SPECULATIVE or mode.startswith(SPECULATIVE + "_")
+
+
+def _mode_rank(mode: str) -> int:
+    """The table's row order: MODE_ORDER, every speculative mode in the place of
+    ``speculative``, unknown modes last."""
+    mode = SPECULATIVE if is_speculative(mode) else mode
+    return MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+
+
 @dataclasses.dataclass
 class Run:
     """One prompt in one mode.
@@ -242,9 +261,10 @@ def summarize(
     """Per mode: aggregate tokens/s (all tokens / all seconds), median TTFT, speedups against
     each baseline that ran (``speedup_vs_plain``, ``speedup_vs_k0``, their decode-phase and
     median-per-prompt forms), the speculation figures from summed stats, the bound and its share
-    (predicted_bound; None without calibration), the exact-match shares (greedy), and on the
-    speculative row the service's share of the in-process engine's tokens/s."""
-    modes = sorted(results[0].runs, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99)
+    (predicted_bound; None without calibration), the proposed and accepted tokens by proposer
+    (``draft``: the draft model, ``ngram``: n-gram lookup), the exact-match shares (greedy),
+    and on the first speculative row the service's share of the in-process engine's tokens/s."""
+    modes = sorted(results[0].runs, key=_mode_rank)  # stable: proposers in the order run
     summary = {}
     for mode in modes:
         runs = [r.runs[mode] for r in results]
@@ -262,13 +282,20 @@ def summarize(
         if all(r.stats is not None for r in runs):
             row.update(_speculation_figures(runs, costs))
         summary[mode] = row
-    if SPECULATIVE in summary and ENGINE in summary:
+    first = first_speculative(summary)
+    if first is not None and ENGINE in summary:
+        # The engine runs the first speculative mode's proposer (specdec.bench.speedup).
         engine_tps = summary[ENGINE]["tokens_per_second"]
-        summary[SPECULATIVE]["engine_tokens_per_second"] = engine_tps
-        summary[SPECULATIVE]["service_share_of_engine"] = _ratio(
-            summary[SPECULATIVE]["tokens_per_second"], engine_tps
+        summary[first]["engine_tokens_per_second"] = engine_tps
+        summary[first]["service_share_of_engine"] = _ratio(
+            summary[first]["tokens_per_second"], engine_tps
         )
     return summary
+
+
+def first_speculative(modes) -> str | None:
+    """The first of ``modes`` (names, or a summary keyed by them) that is_speculative."""
+    return next((m for m in modes if is_speculative(m)), None)
 
 
 def _suffix(mode: str) -> str:
@@ -305,7 +332,17 @@ def _speculation_figures(runs: Sequence[Run], costs: StepCosts | None) -> dict[s
         "predicted_tokens_per_round": bound.tokens_per_round if bound else None,
         "predicted_round_s": bound.round_s if bound else None,
         "share_of_bound": _ratio(_decode_tps(runs), bound.tokens_per_second) if bound else None,
+        "ngram_rounds": total.ngram_rounds,
+        "proposed_tokens": _by_proposer(total.draft_tokens, total.ngram_draft_tokens),
+        "proposed_accepted_tokens": _by_proposer(
+            total.accepted_tokens, total.ngram_accepted_tokens
+        ),
     }
+
+
+def _by_proposer(tokens: int, ngram_tokens: int) -> dict[str, int]:
+    """A counter of every proposer split into the draft model's share and n-gram lookup's."""
+    return {"draft": tokens - ngram_tokens, "ngram": ngram_tokens}
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -334,7 +371,7 @@ def _decode_tps(runs: Sequence[Run]) -> float:
 
 COLUMNS = (
     # header, width, summary key (None: the mode), format ("x": a speedup)
-    ("mode", 14, None, "s"),
+    ("mode", 17, None, "s"),  # speculative_ngram
     ("tok/s", 7, "tokens_per_second", ".2f"),
     ("TTFT ms", 8, "ttft_ms", ".0f"),
     ("vs plain", 8, "speedup_vs_plain", ".2fx"),
@@ -395,11 +432,17 @@ def legend(summary: dict[str, dict[str, Any]], describe: dict[str, str]) -> str:
         "position and the replicas' isolated step costs; share: measured decode tok/s / "
         "predicted ('-': the replicas reported no calibration)"
     )
-    spec = summary.get(SPECULATIVE, {})
+    for mode, row in summary.items():
+        if is_speculative(mode) and "proposed_tokens" in row:
+            proposed, accepted = row["proposed_tokens"], row["proposed_accepted_tokens"]
+            by = ", ".join(f"{p} {proposed[p]} ({accepted[p]})" for p in proposed)
+            lines.append(f"# {mode}: proposed (accepted) tokens by proposer: {by}")
+    first = first_speculative(summary)
+    spec = summary.get(first, {})
     if spec.get("service_share_of_engine") is not None:
         lines.append(
             f"# service share of the in-process engine: {spec['service_share_of_engine']:.0%} "
-            f"(speculative {spec['tokens_per_second']:.2f} tok/s through the service, engine "
+            f"({first} {spec['tokens_per_second']:.2f} tok/s through the service, engine "
             f"{spec['engine_tokens_per_second']:.2f} tok/s in this process)"
         )
     return "\n".join(lines)

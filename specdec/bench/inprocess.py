@@ -469,9 +469,10 @@ class HFAssisted:
 
 class EngineMode:
     """specdec.engine.SpeculativeEngine in this process: the service's models, dtypes, k_max and
-    k, the engine's default settings otherwise."""
+    k, a request's ``proposer`` (None: the engine's default), the engine's default settings
+    otherwise."""
 
-    def __init__(self, info, device: str, k: int | None) -> None:
+    def __init__(self, info, device: str, k: int | None, proposer: str | None = None) -> None:
         from specdec.engine import SpeculativeEngine
 
         # The replicas' chosen dtypes (and GEMM), measured again here like a replica does.
@@ -484,6 +485,7 @@ class EngineMode:
             max_speculative_tokens=info.max_speculative_tokens,
         )
         self.k = "auto" if k is None else k
+        self.proposer = proposer
 
     def run(self, prompt: BenchPrompt, max_new_tokens: int, sampling: dict[str, Any]) -> Run:
         from specdec.decoding.sampling import SamplingParams
@@ -495,7 +497,11 @@ class EngineMode:
         )
         fields = prompt.request_fields()
         out = self.engine.generate(
-            fields.get("prompt"), params, self.k, messages=fields.get("messages")
+            fields.get("prompt"),
+            params,
+            self.k,
+            messages=fields.get("messages"),
+            proposer=self.proposer,
         )
         stats = out.stats
         return Run(ENGINE, out.token_ids, out.text, stats.tokens_per_second, stats.ttft_s, stats)

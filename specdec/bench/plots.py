@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specdec.bench.figures import PLAIN, SPECULATIVE, TARGET_ONLY, PromptResult
+from specdec.bench.figures import PLAIN, TARGET_ONLY, PromptResult, first_speculative
 
 
 def _pyplot():
@@ -183,14 +183,15 @@ def plot_speedup(
     left.set_ylabel(f"speedup over {base} (tokens/s)")
     left.set_title(f"Speedup per prompt (baseline: {base})")
     left.legend()
-    per_position = summary.get(SPECULATIVE, {}).get("acceptance_per_position") or []
+    spec = first_speculative(summary)
+    per_position = summary.get(spec, {}).get("acceptance_per_position") or []
     points = [(i + 1, a) for i, a in enumerate(per_position) if a is not None]
     if points:
         right.plot([p for p, _ in points], [a for _, a in points], marker="o")
     right.set_ylim(0, 1.05)
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance rate")
-    right.set_title("Acceptance per draft position (speculative)")
+    right.set_title(f"Acceptance per draft position ({spec})")
     _save(fig, path, dpi=120)
 
 

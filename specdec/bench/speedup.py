@@ -5,7 +5,9 @@ modes one after the other before the next prompt (so that a busy host's drift ov
 weighs on all three alike):
 
 1. ``target_only``: the service with ``k = 0`` (plain decoding on the target deployment);
-2. ``speculative``: the same service with ``--k`` (default adaptive);
+2. ``speculative``: the same service with ``--k`` (default adaptive); with ``--proposer
+   auto,draft,ngram`` one mode per proposer instead, ``speculative_auto``,
+   ``speculative_draft``, ``speculative_ngram``, in that order;
 3. ``plain_generate``: the target alone with transformers' ``generate`` in this process, in
    the dtype measured fastest on this machine: THE baseline a user would run without us
    (skip: ``--no-plain``);
@@ -16,15 +18,16 @@ the memory available):
 
 4. ``hf_assisted``: Hugging Face assisted generation, the target in plain_generate's dtype, the
    draft in the service's, its assistant settings picked by timing (skip: ``--no-hf``);
-5. ``engine``: specdec.engine.SpeculativeEngine on the service's models, dtypes and k (skip
-   it with ``--no-engine``).
+5. ``engine``: specdec.engine.SpeculativeEngine on the service's models, dtypes, k and first
+   proposer (skip it with ``--no-engine``).
 
 Reported per mode (specdec.bench.figures): tokens per second, TTFT, the speedup over
 plain_generate (``vs plain``) and over the service's k = 0 (``vs k=0``), acceptance, tokens per
 round, mean k, the bound predicted from acceptance per draft position and the replicas'
 isolated step costs and the share of it achieved, orchestration per round, and, greedy only,
 the share of outputs equal to target_only and to plain_generate token for token; under the
-table, each baseline named and the service's share of the in-process engine's tokens/s.
+table, each baseline named, each speculative mode's proposed and accepted tokens by proposer
+(the draft model, n-gram lookup) and the service's share of the in-process engine's tokens/s.
 """
 
 from __future__ import annotations
@@ -41,30 +44,61 @@ from specdec.bench.figures import (
     ENGINE,
     HF_ASSISTED,
     PLAIN,
-    SPECULATIVE,
     TARGET_ONLY,
     PromptResult,
     Run,
     StepCosts,
     format_table,
+    is_speculative,
     legend,
+    speculative_mode,
     step_costs,
     summarize,
 )
 from specdec.bench.report import machine, run_record, write_json
 from specdec.client import SpecdecClient, build_request
+from specdec.config import PROPOSERS
 from specdec.decoding.stats import SpeculationStats
 from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
 
-SERVICE_MODES = (TARGET_ONLY, SPECULATIVE)
 WARM_UP_TOKENS = 16
 
 
+def proposer_list(text: str) -> list[str]:
+    """argparse type of --proposer: ``"auto,draft,ngram"`` -> ["auto", "draft", "ngram"].
+
+    Raises:
+        argparse.ArgumentTypeError: a name not in specdec.config.PROPOSERS, or one twice.
+    """
+    names = [name.strip() for name in text.split(",")]
+    bad = [name for name in names if name not in PROPOSERS]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"must be distinct names of {list(PROPOSERS)}, comma-separated, got {text!r}"
+        )
+    return names
+
+
+def service_modes(proposers: Sequence[str] | None) -> dict[str, str | None]:
+    """The service's modes in the order they run, each with the proposer its requests ask for
+    (None: unset, the service's default): target_only, then one speculative mode per
+    proposer, or ``speculative`` alone without --proposer."""
+    return {TARGET_ONLY: None} | {speculative_mode(p): p for p in proposers or [None]}
+
+
 def service_run(
-    client: SpecdecClient, prompt: BenchPrompt, mode: str, k: int | None, sampling: dict[str, Any]
+    client: SpecdecClient,
+    prompt: BenchPrompt,
+    mode: str,
+    k: int | None,
+    sampling: dict[str, Any],
+    proposer: str | None = None,
 ) -> Run:
-    """One unary Generate call; ``k`` None = adaptive. Raises grpc.RpcError."""
-    request = build_request(**prompt.request_fields(), num_speculative_tokens=k, **sampling)
+    """One unary Generate call; ``k`` None = adaptive, ``proposer`` None = the service's
+    default. Raises grpc.RpcError."""
+    request = build_request(
+        **prompt.request_fields(), num_speculative_tokens=k, proposer=proposer, **sampling
+    )
     response = client.generate(request)
     stats = SpeculationStats.from_proto(response.stats)
     return Run(
@@ -101,12 +135,13 @@ def _sampling(args, i: int) -> dict[str, Any]:
 def run_service(
     client: SpecdecClient, prompts: Sequence[BenchPrompt], args, plain=None
 ) -> list[PromptResult]:
-    """Every prompt through the service at k = 0 and at --k, one request at a time, and
-    through ``plain`` (a specdec.bench.inprocess.PlainGenerate, warmed up) right after them when
-    given."""
+    """Every prompt through the service at k = 0 and at --k (once per --proposer), one request
+    at a time, and through ``plain`` (a specdec.bench.inprocess.PlainGenerate, warmed up) right
+    after them when given."""
     from tqdm.auto import tqdm
 
-    modes = SERVICE_MODES + ((PLAIN,) if plain else ())
+    proposers = service_modes(args.proposer)
+    modes = [*proposers, *((PLAIN,) if plain else ())]
     results = []
     with tqdm(total=len(prompts) * len(modes), unit="run", desc="bench") as bar:
         for i, prompt in enumerate(prompts):
@@ -117,7 +152,8 @@ def run_service(
                     runs[mode] = plain.run(prompt, args.max_new_tokens, _sampling(args, i))
                 else:
                     k = 0 if mode == TARGET_ONLY else args.k
-                    runs[mode] = service_run(client, prompt, mode, k, _sampling(args, i))
+                    sampling = _sampling(args, i)
+                    runs[mode] = service_run(client, prompt, mode, k, sampling, proposers[mode])
                 bar.update()
             results.append(PromptResult(prompt, runs))
     return results
@@ -201,7 +237,8 @@ def _engine_mode(info, results: Sequence[PromptResult], args, device: str) -> di
         return {}
     what = f"SpeculativeEngine in process, target {info.target_dtype}, draft {info.draft_dtype}"
     inprocess.say(f"engine: {what}")
-    runner = inprocess.EngineMode(info, device, args.k)
+    proposer = args.proposer[0] if args.proposer else None
+    runner = inprocess.EngineMode(info, device, args.k, proposer)
     run_in_process(ENGINE, runner, results, args)
     runner.close()
     inprocess.free_memory(device)
@@ -258,6 +295,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
     add_k_arg(parser, "speculative tokens per round in the speculative mode: int or auto")
     parser.add_argument(
+        "--proposer",
+        type=proposer_list,
+        help=f"one speculative mode per proposer, comma-separated names of {list(PROPOSERS)} "
+        "(e.g. auto,draft,ngram); default: one mode, the service's speculation.proposer",
+    )
+    parser.add_argument(
         "--no-plain",
         action="store_true",
         help="skip plain_generate (the target alone with transformers generate, fastest dtype)",
@@ -299,6 +342,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def _header(args, info, n_prompts: int, device: str) -> str:
     greedy = not args.temperature
     k_text = "auto" if args.k is None else args.k
+    if getattr(args, "proposer", None):
+        k_text = f"{k_text}, proposers {','.join(args.proposer)}"
     lines = [
         f"# {args.dataset}{'/' + args.category if args.category else ''}: {n_prompts} prompts, "
         f"{args.max_new_tokens} new tokens, {'greedy' if greedy else f'T={args.temperature}'}, "
@@ -317,8 +362,8 @@ def _header(args, info, n_prompts: int, device: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`specdec bench` (flags: add_cli_args). Returns 1 when a greedy speculative output differs
-    from target-only, else 0.
+    """`specdec bench` (flags: add_cli_args). Returns 1 when a greedy output of a speculative
+    mode differs from target-only, else 0.
 
     Raises:
         ValueError: no directory for --json / --plot, or a bad dataset. ImportError: --plot
@@ -340,8 +385,9 @@ def main(args: argparse.Namespace) -> int:
             "temperature": args.temperature,
             "seed": args.seed,
         }
-        for k in (0, args.k):
-            service_run(client, prompts[0], "warm-up", k, warm_up)
+        for mode, proposer in service_modes(args.proposer).items():
+            k = 0 if mode == TARGET_ONLY else args.k
+            service_run(client, prompts[0], "warm-up", k, warm_up, proposer)
         local = model_files_here(info)
         plain = load_plain(info, prompts, args, device) if local else None
         results = run_service(client, prompts, args, plain)
@@ -362,6 +408,7 @@ def main(args: argparse.Namespace) -> int:
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
             "k": "auto" if args.k is None else args.k,
+            "proposers": args.proposer,
             "target_model": info.target_model,
             "target_dtype": info.target_dtype,
             "draft_model": info.draft_model,
@@ -376,7 +423,9 @@ def main(args: argparse.Namespace) -> int:
         from specdec.bench.plots import plot_speedup
 
         plot_speedup(results, summary, args.plot)
-    inexact = greedy and summary[SPECULATIVE].get("exact_vs_k0", 1.0) < 1.0
+    inexact = greedy and any(
+        row.get("exact_vs_k0", 1.0) < 1.0 for mode, row in summary.items() if is_speculative(mode)
+    )
     if inexact:
         print(
             "specdec bench: a greedy speculative output differs from target-only", file=sys.stderr

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specdec.config import APPLICATION
+from specdec.config import APPLICATION, PROPOSERS
 
 DEFAULT_CONFIG = "local.yaml"  # looked up in the packaged deployments/config/ when not a path
 
@@ -51,6 +51,16 @@ def k_value(text: str) -> int | None:
 def add_k_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
     """Adds --k (type k_value, default "auto" meaning the server's controller chooses)."""
     parser.add_argument("--k", default="auto", type=k_value, help=help_text)
+
+
+def add_proposer_arg(parser: argparse.ArgumentParser) -> None:
+    """Adds --proposer (one of specdec.config.PROPOSERS; default unset: the service's
+    speculation.proposer decides)."""
+    parser.add_argument(
+        "--proposer",
+        choices=PROPOSERS,
+        help="who proposes each round's tokens (default: the service's speculation.proposer)",
+    )
 
 
 def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:

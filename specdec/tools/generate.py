@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from specdec.client import DEFAULT_ADDRESS, SpecdecClient, build_request
 from specdec.config import APPLICATION
-from specdec.tools.args import add_k_arg
+from specdec.tools.args import add_k_arg, add_proposer_arg
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_k_arg(parser, "speculative tokens per round: an int >= 0 (0 = off) or auto")
+    add_proposer_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
 
@@ -53,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
         stop=args.stop,
         num_speculative_tokens=args.k,
         logprobs=args.json,
+        proposer=args.proposer,
     )
     with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
         if not args.stream:
@@ -73,13 +75,20 @@ def main(args: argparse.Namespace) -> int:
 def print_summary(last) -> None:
     """Prints to stderr the speculation summary of a response's last streamed message
     (specdec.v1 GenerateResponse): finish reason, completion tokens, tokens/s, TTFT in ms,
-    acceptance, tokens per round, mean k."""
+    acceptance, tokens per round, mean k; and, when n-gram lookup proposed, its rounds and its
+    accepted of proposed tokens."""
     s = last.stats
+    ngram = (
+        f", n-gram {s.ngram_accepted_tokens}/{s.ngram_draft_tokens} accepted in "
+        f"{s.ngram_rounds} rounds"
+        if s.ngram_rounds
+        else ""
+    )
     print(
         f"[{last.finish_reason}] {last.usage.completion_tokens} tokens, "
         f"{s.tokens_per_second:.1f} tok/s, TTFT {s.ttft_s * 1e3:.0f} ms, "
         f"acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_tokens:.2f} tokens/round, "
-        f"mean k {s.mean_k:.1f}",
+        f"mean k {s.mean_k:.1f}{ngram}",
         file=sys.stderr,
     )
 

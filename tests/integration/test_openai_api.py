@@ -116,6 +116,29 @@ def test_greedy_completion_equals_grpc(oai, grpc_client, model, stream, k):
             _same_as_grpc(expected, choice.text, choice.finish_reason, answer.usage, stats)
 
 
+NGRAM_COUNTERS = ("ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens")
+
+
+@pytest.mark.parametrize("proposer, k", [("draft", 3), ("ngram", None)])
+def test_proposer_reaches_the_router_and_its_counters_come_back(
+    oai, grpc_client, model, proposer, k
+):
+    expected = _grpc(grpc_client, k, prompt=PROMPTS[0], proposer=proposer)
+    extra = {"proposer": proposer} | (_extra(k) or {})
+    answer = oai.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body=extra
+    )
+    stats = answer.model_extra["specdec_stats"]
+    assert answer.choices[0].text == expected.text  # greedy: exact whoever proposes
+    assert stats["ngram_draft_tokens"] <= stats["draft_tokens"]
+    assert stats["ngram_accepted_tokens"] <= stats["accepted_tokens"]
+    if k is not None:  # a fixed k: the same rounds and proposals as over gRPC
+        choice = answer.choices[0]
+        _same_as_grpc(expected, choice.text, choice.finish_reason, answer.usage, stats)
+        for name in NGRAM_COUNTERS:
+            assert stats[name] == getattr(expected.stats, name), name
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_greedy_chat_completion_equals_grpc(oai, grpc_client, model, stream):
     expected = _grpc(grpc_client, 2, messages=MESSAGES)
@@ -204,6 +227,8 @@ BAD = [
         "num_speculative_tokens",
     ),
     ("completions", {"extra_body": {"top_k": -1}}, "top_k"),
+    ("completions", {"extra_body": {"proposer": "medusa"}}, "proposer"),
+    ("chat", {"extra_body": {"proposer": 3}}, "proposer"),
     ("completions", {"seed": -3}, "seed"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

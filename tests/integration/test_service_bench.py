@@ -98,3 +98,34 @@ def test_bench_category_filter_and_sampling_without_hf_or_engine(served, tmp_pat
     row = report["summary"]["speculative"]
     assert "exact_vs_k0" not in row and "exact_vs_plain" not in row  # sampled: no claim
     assert "service_share_of_engine" not in row
+
+
+def test_bench_runs_one_speculative_mode_per_proposer(served, tmp_path, capsys):
+    client, _ = served
+    args = _args(
+        tmp_path,
+        client.address,
+        proposer=["draft", "ngram"],
+        no_plain=True,
+        no_hf=True,
+        no_engine=True,
+        plot=None,
+    )
+
+    assert speedup.main(args) == 0
+
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["config"]["proposers"] == ["draft", "ngram"]
+    summary = report["summary"]
+    assert list(summary) == ["target_only", "speculative_draft", "speculative_ngram"]
+    for mode in ("speculative_draft", "speculative_ngram"):
+        row = summary[mode]
+        assert row["exact_vs_k0"] == 1.0  # greedy: exact whoever proposes
+        assert set(row["proposed_tokens"]) == {"draft", "ngram"}
+        assert sum(row["proposed_tokens"].values()) == sum(
+            p["modes"][mode]["stats"]["draft_tokens"] for p in report["prompts"]
+        )
+    assert summary["speculative_draft"]["proposed_tokens"]["draft"] > 0  # --k=3, draft up
+    out = capsys.readouterr().out
+    assert "# speculative_ngram: proposed (accepted) tokens by proposer: draft " in out
+    assert "proposers draft,ngram" in out  # the header

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import LOCAL_CONFIG
 
 from specdec.client import build_request
-from specdec.config import APPLICATION
+from specdec.config import APPLICATION, PROPOSERS
 from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
 
@@ -86,6 +86,16 @@ def test_greedy_over_grpc_equals_target_only(client, reference, k):
         assert out.usage.completion_tokens == len(out.token_ids)
         assert out.finish_reason in ("stop", "length")
         assert out.stats.rounds >= 1 and 0 <= out.stats.accepted_tokens <= out.stats.draft_tokens
+
+
+def test_every_proposer_is_accepted_and_greedy_output_stays_target_only(client, reference):
+    for proposer in PROPOSERS:
+        request = build_request(PROMPTS[0], max_new_tokens=24, proposer=proposer)
+        out = client.generate(request)
+        assert list(out.token_ids) == reference(PROMPTS[0], 24), proposer
+        stats = out.stats
+        assert stats.ngram_draft_tokens <= stats.draft_tokens
+        assert stats.ngram_accepted_tokens <= stats.accepted_tokens
 
 
 def test_stream_deltas_concatenate_to_the_unary_text(client):
@@ -243,6 +253,8 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "top_k": -1}, "top_k"),
     ({"prompt": "hi", "num_speculative_tokens": K_MAX + 1}, "num_speculative_tokens"),
+    ({"prompt": "hi", "proposer": "medusa"}, "proposer"),
+    ({"prompt": "hi", "proposer": ""}, "proposer"),  # set, though empty: not the default
     ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"prompt": "hi", "stop_token_ids": [1_000_000_000]}, "stop_token_ids"),  # past the vocab
@@ -358,6 +370,8 @@ def test_prometheus_metrics_are_exported(client):
         "ray_specdec_ttft_seconds_bucket",
         "ray_specdec_cache_sessions",
         "ray_specdec_compute_seconds_bucket",
+        "ray_specdec_proposed_tokens_total",
+        "ray_specdec_proposed_accepted_tokens_total",
         *sorted(dashboard.dashboard_metric_names()),
     ]
     exported: set[str] = set()
@@ -370,6 +384,7 @@ def test_prometheus_metrics_are_exported(client):
     assert not missing, missing
     assert 'part="orchestration"' in text and 'code="OK"' in text
     assert 'position="0"' in text
+    assert 'proposer="draft"' in text  # k = 2 requests: the draft model proposed
 
 
 def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):

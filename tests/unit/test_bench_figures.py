@@ -15,8 +15,10 @@ from specdec.bench.figures import (
     Run,
     StepCosts,
     format_table,
+    is_speculative,
     legend,
     predicted_bound,
+    speculative_mode,
     step_costs,
     summarize,
 )
@@ -270,6 +272,43 @@ def test_summary_names_both_baselines_and_prices_the_bound():
     assert base["exact_vs_plain"] == 0.5
     # target_only is priced too: one verify of 1 row per token against the plain step.
     assert base["predicted_speedup"] == pytest.approx(0.2 / 0.3)
+
+
+def test_proposer_modes_sit_in_the_speculative_row_and_count_tokens_by_proposer():
+    results = _results()
+    for result in results:
+        spec = result.runs.pop("speculative")
+        ngram = dataclasses.replace(
+            spec.stats, ngram_rounds=2, ngram_draft_tokens=3, ngram_accepted_tokens=2
+        )
+        # Inserted after engine, as the bench's dict of runs would not have them: the order of
+        # the table is the figures' own, the proposers in the order they ran.
+        result.runs[speculative_mode("ngram")] = dataclasses.replace(spec, stats=ngram)
+        result.runs[speculative_mode("draft")] = spec
+    summary = summarize(results, greedy=True, costs=COSTS)
+    assert list(summary) == [
+        "plain_generate",
+        "target_only",
+        "speculative_ngram",
+        "speculative_draft",
+        "engine",
+    ]
+    ngram, draft = summary["speculative_ngram"], summary["speculative_draft"]
+    assert ngram["proposed_tokens"] == {"draft": 12 - 6, "ngram": 6}
+    assert ngram["proposed_accepted_tokens"] == {"draft": 9 - 4, "ngram": 4}
+    assert ngram["ngram_rounds"] == 4
+    assert draft["proposed_tokens"] == {"draft": 12, "ngram": 0} and draft["ngram_rounds"] == 0
+    # The engine runs the first proposer's requests: only that row is its share.
+    assert ngram["service_share_of_engine"] == pytest.approx(0.5)
+    assert "service_share_of_engine" not in draft
+    text = legend(summary, {})
+    by_proposer = "proposed (accepted) tokens by proposer: draft 6 (5), ngram 6 (4)"
+    assert f"# speculative_ngram: {by_proposer}" in text
+    assert "(speculative_ngram 5.67 tok/s through the service" in text
+    lines = format_table(summary, greedy=True).splitlines()
+    assert lines[4].split()[0] == "speculative_ngram"
+    assert len({len(line) for line in lines}) == 1  # fixed width, the longest name included
+    assert is_speculative("speculative_auto") and not is_speculative("target_only")
 
 
 def test_summary_without_calibration_or_plain_claims_neither():

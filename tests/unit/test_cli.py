@@ -86,6 +86,7 @@ def test_demo_bench_arguments_parse_with_bench_parser():
         temperature=0.0,
         seed=0,
         k=None,
+        proposer=None,
         no_plain=False,
         plain_gemms=False,
         no_engine=True,
@@ -112,6 +113,46 @@ def test_shared_argument_types():
     assert k_value("0") == 0 and k_value("7") == 7
     with pytest.raises(argparse.ArgumentTypeError, match="integer or 'auto'"):
         k_value("many")
+
+
+def test_generate_sends_the_proposer_only_when_given(monkeypatch, capsys):
+    from specdec.tools import generate
+    from specdec.v1 import specdec_pb2
+
+    sent = []
+
+    class Client:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def generate(self, request):
+            sent.append(request)
+            return specdec_pb2.GenerateResponse(text="ok")
+
+    monkeypatch.setattr(generate, "SpecdecClient", Client)
+    for argv in (["hi", "--proposer", "ngram"], ["hi"]):
+        parser = argparse.ArgumentParser()
+        generate.add_cli_args(parser)
+        assert generate.main(parser.parse_args(argv)) == 0
+    assert sent[0].HasField("proposer") and sent[0].proposer == "ngram"
+    assert not sent[1].HasField("proposer")  # the service's speculation.proposer decides
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "hi", "--proposer", "medusa"])
+    assert exit_.value.code == 2
+    assert "argument --proposer: invalid choice: 'medusa'" in capsys.readouterr().err
+
+
+def test_bench_proposer_list():
+    assert speedup.proposer_list("auto,draft, ngram") == ["auto", "draft", "ngram"]
+    for bad in ("ngram,ngram", "medusa", "auto,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct names"):
+            speedup.proposer_list(bad)
 
 
 def test_config_path_finds_shipped_configs_and_names_them_when_missing(tmp_path):

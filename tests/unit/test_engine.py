@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from rebuilds import stream_evicting
 
 from specdec import InvalidRequestError, ModelLoadError, SamplingParams, SpeculativeEngine
+from specdec import engine as engine_module
+from specdec.config import SpecdecConfig
 from specdec.models.loading import load_model
 from specdec.models.tiny import PROMPTS, save_pair
 
@@ -224,6 +228,8 @@ def test_small_cache_capacity_evicts_least_recently_used(tiny_pair):
         ({"prompt": [999_999]}, "prompt"),
         ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"prompt": "hi", "proposer": "medusa"}, "proposer"),
+        ({"prompt": "hi", "proposer": 1}, "proposer"),
     ],
 )
 def test_invalid_requests_raise_value_error_naming_the_field(engine, kwargs, field):
@@ -361,3 +367,27 @@ def test_greedy_output_with_the_confidence_stop_equals_target_only(engine, force
     # Some rounds stopped early and some drafted all k: both paths ran.
     first, last = sum(d[0] for d in drafted), sum(d[k - 1] for d in drafted)
     assert 0 < last < first
+
+
+def test_the_proposer_keyword_reaches_the_prepared_request(engine, monkeypatch):
+    prepared = []
+    real = engine_module.RoundLoop
+
+    def recording(transport, tokenizer, request, *args, **kwargs):
+        prepared.append(request)
+        return real(transport, tokenizer, request, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "RoundLoop", recording)
+    params = SamplingParams(max_new_tokens=3)
+    engine.generate("def f", params, proposer="ngram")
+    engine.generate("def f", params)  # unset: the engine's speculation.proposer
+    monkeypatch.setattr(engine, "config", SpecdecConfig.of(engine.config, proposer="draft"))
+    engine.generate("def f", params)
+    engine.generate("def f", params, proposer="none")
+
+    async def stream():
+        async for _ in engine.generate_stream("def f", params, proposer="ngram"):
+            pass
+
+    asyncio.run(stream())
+    assert [r.proposer for r in prepared] == ["ngram", "auto", "draft", "none", "ngram"]

@@ -4,6 +4,7 @@ NetworkPolicy; the router's metrics follow Prometheus naming. No cluster, no Ray
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -164,6 +165,40 @@ def test_router_records_the_stats_raw_counts(fake_metrics):
     prefill_only = metrics_module.RouterMetrics()
     prefill_only.record_completion(SpeculationStats(rounds=1, completion_tokens=1), 0.1)
     assert prefill_only.drafts.records == [] and prefill_only.round_latency.records == []
+    assert prefill_only.proposed_tokens.records == [] and prefill_only.ngram_rounds.records == []
+
+
+def test_router_counts_proposed_and_accepted_tokens_by_proposer(fake_metrics):
+    # 4 decode rounds: the draft model proposed 3 and 2 tokens (3 accepted), n-gram lookup 4
+    # and 1 in two rounds (2 accepted).
+    stats = SpeculationStats(
+        rounds=5,
+        draft_tokens=10,
+        accepted_tokens=5,
+        accepted_per_position=[3, 2, 0, 0],
+        drafted_per_position=[4, 3, 2, 1],
+        completion_tokens=9,
+        ngram_rounds=2,
+        ngram_draft_tokens=5,
+        ngram_accepted_tokens=2,
+    )
+    router = metrics_module.RouterMetrics()
+    router.record_completion(stats, latency_s=1.0)
+    assert router.proposed_tokens.total(proposer="draft") == 5
+    assert router.proposed_tokens.total(proposer="ngram") == 5
+    assert router.proposed_accepted_tokens.total(proposer="draft") == 3
+    assert router.proposed_accepted_tokens.total(proposer="ngram") == 2
+    assert router.ngram_rounds.total() == 2
+    # The totals stay every proposer's, and the split adds up to them.
+    assert router.draft_tokens.total() == router.proposed_tokens.total() == 10
+    assert router.accepted_tokens.total() == router.proposed_accepted_tokens.total() == 5
+    assert router.proposed_tokens.options["tag_keys"] == ("proposer",)
+
+    draft_only = metrics_module.RouterMetrics()
+    no_ngram = {"ngram_rounds": 0, "ngram_draft_tokens": 0, "ngram_accepted_tokens": 0}
+    draft_only.record_completion(dataclasses.replace(stats, **no_ngram), 1.0)
+    assert {t["proposer"] for _, t in draft_only.proposed_tokens.records} == {"draft"}
+    assert draft_only.ngram_rounds.records == []
 
 
 # --- PodMonitor, NetworkPolicy, kustomization -------------------------------------------------

@@ -42,6 +42,7 @@ def test_completion_fields_map_to_the_grpc_request():
             stop="\n\n",
             top_k=40,
             num_speculative_tokens=3,
+            proposer="ngram",
             stop_token_ids=[2],
             user="someone",
         ),
@@ -55,6 +56,7 @@ def test_completion_fields_map_to_the_grpc_request():
         "stop": ["\n\n"],
         "top_k": 40,
         "num_speculative_tokens": 3,
+        "proposer": "ngram",
         "stop_token_ids": [2],
     }
     assert parsed.model == "m" and not parsed.stream and not parsed.logprobs
@@ -63,10 +65,25 @@ def test_completion_fields_map_to_the_grpc_request():
 def test_unset_fields_stay_unset_and_null_means_unset():
     parsed = parse(
         COMPLETIONS,
-        _body(COMPLETIONS, temperature=None, num_speculative_tokens="auto", suffix=None, foo=None),
+        _body(
+            COMPLETIONS,
+            temperature=None,
+            num_speculative_tokens="auto",
+            proposer=None,
+            suffix=None,
+            foo=None,
+        ),
     )
     assert _fields(parsed.request) == {"prompt": "def add(a, b):"}
     assert not parsed.request.HasField("num_speculative_tokens")
+    assert not parsed.request.HasField("proposer")  # the service's speculation.proposer
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_proposer_is_accepted_on_both_endpoints_and_checked_by_the_router(endpoint):
+    for proposer in ("auto", "draft", "ngram", "none", "medusa"):
+        request = parse(endpoint, _body(endpoint, proposer=proposer)).request
+        assert request.HasField("proposer") and request.proposer == proposer
 
 
 def test_chat_messages_text_parts_and_the_developer_role():
@@ -149,6 +166,9 @@ BAD = [
     (COMPLETIONS, {"temperature": "hot"}, "temperature"),
     (COMPLETIONS, {"top_k": 1.5}, "top_k"),
     (COMPLETIONS, {"num_speculative_tokens": "fast"}, "num_speculative_tokens"),
+    (COMPLETIONS, {"proposer": 1}, "proposer"),
+    (CHAT, {"proposer": ["ngram"]}, "proposer"),
+    (CHAT, {"proposer": True}, "proposer"),
     (COMPLETIONS, {"stop": [1]}, "stop"),
     (COMPLETIONS, {"stop_token_ids": "2"}, "stop_token_ids"),
     (COMPLETIONS, {"prompt": [1, 2, 3]}, "prompt"),
@@ -190,6 +210,7 @@ def test_a_body_that_is_not_an_object_is_400():
         (CHAT, {}, "prompt", "messages"),
         (CHAT, {}, "messages[0].role", "messages[0].role"),
         (COMPLETIONS, {}, "temperature", "temperature"),
+        (CHAT, {"proposer": "medusa"}, "proposer", "proposer"),
     ],
 )
 def test_router_validation_errors_name_the_openai_field(endpoint, fields, grpc_field, param):
@@ -224,6 +245,9 @@ def _stats() -> SpeculationStats:
         ttft_s=0.1,
         completion_tokens=6,
         wall_time_s=0.5,
+        ngram_rounds=1,
+        ngram_draft_tokens=2,
+        ngram_accepted_tokens=1,
     )
 
 
@@ -271,6 +295,8 @@ def test_completion_response_with_usage_logprobs_and_stats():
         always_print_fields_with_no_presence=True,
     )
     assert stats["acceptance_rate"] == 0.75 and stats["mean_accepted_tokens"] == 2.5
+    ngram = [stats[f"ngram_{name}"] for name in ("rounds", "draft_tokens", "accepted_tokens")]
+    assert ngram == [1, 2, 1]
     json.dumps(answer)
 
 
