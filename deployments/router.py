@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.ngram import shared_ngrams
 from specdec.decoding.phases import PhaseGate
 from specdec.decoding.request import (
     AUTO,
@@ -188,6 +189,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
         self.costs = CostModel(config.speculation)
+        self.shared_ngrams = shared_ngrams(config.speculation)
         self.phases = PhaseGate() if config.speculation.alternate_phases else None
         self._prior_set = False
         self.draft_availability = DraftAvailability(
@@ -336,6 +338,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             self.config.speculation,
             self.draft_availability,
             self.phases,
+            self.shared_ngrams,
         )
 
     async def _probe_draft(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from specdec.config import SpecdecConfig, SpeculationConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.ngram import shared_ngrams
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
@@ -148,6 +149,7 @@ class SpeculativeEngine:
         target_info = replica_info(self.transport.verifier, self.config)
         self.limits = ModelLimits.of(target_info, draft_info, self.config.speculation)
         self.costs = CostModel(self.config.speculation)
+        self.shared_ngrams = shared_ngrams(self.config.speculation)
         # Without a probe: once a failed draft's retry delay has passed, the next propose is
         # the check (the draft lives in this process).
         self.draft_availability = DraftAvailability(self.config.service.draft_retry_s)
@@ -273,4 +275,5 @@ class SpeculativeEngine:
             self.costs,
             self.config.speculation,
             self.draft_availability,
+            shared_ngrams=self.shared_ngrams,
         )

@@ -23,6 +23,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from specdec.config import SpeculationConfig
+
 # Bytes one indexed token costs in a SharedNgrams, per n-gram length it is indexed under: its
 # slot in the ring (8), a key tuple (56 + 8 n), its dict entry (about 100 with the table's
 # slack) and its slot in the eviction ring (8). Measured with tracemalloc by
@@ -174,3 +176,11 @@ class SharedNgrams:
     def __len__(self) -> int:
         """N-grams indexed."""
         return len(self._table)
+
+
+def shared_ngrams(config: SpeculationConfig) -> SharedNgrams | None:
+    """The router's (or engine's) SharedNgrams, sized by config.shared_ngram_bytes; None when
+    that is 0 (sharing off)."""
+    if config.shared_ngram_bytes == 0:
+        return None
+    return SharedNgrams(config.shared_ngram_bytes, config.ngram_min_n, config.ngram_max_n)
