@@ -154,7 +154,7 @@ class ProposerChoice:
         best = max(range(len(tokens) + 1), key=tokens_per_s)
         if best == 0 and not probe:
             self._ngram_passed += 1
-            return Proposal(NONE, RoundPlan(0, tokens_per_s=tokens_per_s(0)), tuple(tokens), n)
+            return Proposal(NONE, RoundPlan(0, tokens_per_s=tokens_per_s(0)))
         best = max(best, 1)
         return Proposal(
             NGRAM, RoundPlan(best, tokens_per_s=tokens_per_s(best)), tuple(tokens[:best]), n

@@ -126,6 +126,8 @@ def test_bench_runs_one_speculative_mode_per_proposer(served, tmp_path, capsys):
             p["modes"][mode]["stats"]["draft_tokens"] for p in report["prompts"]
         )
     assert summary["speculative_draft"]["proposed_tokens"]["draft"] > 0  # --k=3, draft up
+    assert summary["speculative_draft"]["proposed_tokens"]["ngram"] == 0
+    assert summary["speculative_ngram"]["proposed_tokens"]["draft"] == 0
     out = capsys.readouterr().out
     assert "# speculative_ngram: proposed (accepted) tokens by proposer: draft " in out
     assert "proposers draft,ngram" in out  # the header

@@ -96,6 +96,10 @@ def test_every_proposer_is_accepted_and_greedy_output_stays_target_only(client, 
         stats = out.stats
         assert stats.ngram_draft_tokens <= stats.draft_tokens
         assert stats.ngram_accepted_tokens <= stats.accepted_tokens
+        if proposer in ("ngram", "none"):  # the draft model is never called
+            assert stats.draft_tokens == stats.ngram_draft_tokens, proposer
+        if proposer in ("draft", "none"):  # the draft is up: n-gram lookup never stands in
+            assert stats.ngram_rounds == 0, proposer
 
 
 def test_stream_deltas_concatenate_to_the_unary_text(client):

@@ -3,6 +3,7 @@ against both baselines, the table; prompt sets."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -424,3 +425,19 @@ def test_prompt_set_errors_name_the_problem(tmp_path):
         load_prompts(str(empty))
     with pytest.raises(ValueError, match="--limit must be >= 1"):
         load_prompts("humaneval", limit=0)
+
+
+@pytest.mark.skipif(not SHARED_PROMPTS.exists(), reason="../shared/data/prompts is absent")
+def test_the_ngram_bench_times_every_round_of_every_request(tiny_pair, monkeypatch, capsys):
+    from specdec.bench import ngram_bench
+
+    monkeypatch.setenv("SPECDEC_DATA", str(SHARED_PROMPTS))
+    args = argparse.Namespace(
+        requests=4, rounds=8, shared_bytes=2**20, tokenizer=str(tiny_pair[1]), out=None
+    )
+    figures = ngram_bench.run(args)
+    assert figures["device"].startswith("cpu: ")
+    assert figures["shared_ngrams_indexed"] > 0 and figures["prompt_tokens_mean"] > 100
+    for part in ("lookup", "choice"):
+        assert 0 < figures[part]["p50_us"] <= figures[part]["p99_us"]
+    assert '"choice"' in capsys.readouterr().out

@@ -149,6 +149,27 @@ def test_a_failing_draft_gives_the_target_alone_output(engine, target_alone, fai
         assert stats.rounds_without_draft + model_rounds <= stats.decode_rounds
 
 
+@pytest.mark.parametrize(
+    "failing",
+    [
+        pytest.param(lambda call: True, id="draft-never-answers"),
+        pytest.param(lambda call: call >= 2, id="fails-mid-request"),
+    ],
+)
+def test_without_the_draft_rounds_run_on_ngram_lookup(engine, failing):
+    """A text that repeats itself keeps speculating on n-gram proposals while the draft is
+    down, a round whose draft call fails included, with the target alone's output."""
+    prompt = "one two three four five six one two three four five six one two"
+    alone = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS), 0)
+    breaker = DraftAvailability(retry_s=3600.0)
+    completion = _run(engine, _FlakyDraft(engine.transport, failing), prompt, "auto", breaker)
+    assert completion.token_ids == alone.token_ids
+    stats = completion.stats
+    assert breaker.down and stats.rounds_without_draft > 0
+    assert stats.ngram_rounds > 0 and stats.ngram_accepted_tokens > 0
+    assert stats.decode_rounds < alone.stats.decode_rounds
+
+
 def test_speculation_resumes_once_the_draft_answers_again(engine, target_alone):
     prompt = PROMPTS[0]
     transport = _FlakyDraft(engine.transport, lambda call: call == 1)
