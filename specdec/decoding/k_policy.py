@@ -232,7 +232,9 @@ class KController:
     ) -> None:
         """Records a round that drafted k tokens (after any confidence stop), num_accepted of
         them accepted, and the draft's probability of each (``confidences``, when reported):
-        the acceptance and the confidence calibration for this request, the costs for all."""
+        the acceptance and the confidence calibration for this request, the costs for all. A
+        round of k tokens from n-gram lookup (timing.draft_free) gives only its costs
+        (_observe_draft_free)."""
         if timing.draft_free:
             self._observe_draft_free(k, timing)
             return
