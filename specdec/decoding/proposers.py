@@ -131,8 +131,8 @@ class ProposerChoice:
 
     def _ngram_or_none(self, cap: int, probe: bool = False) -> Proposal:
         """The n-gram proposal cut to the length m <= cap of the highest predicted goodput,
-        where m = 0 (NONE) is one choice (all of it where costs are not ready yet); NONE
-        without a match.
+        where m = 0 (NONE) is one choice (all of it under a fixed k, as the draft drafts exactly
+        k, and where costs are not ready yet); NONE without a match.
 
         A request whose n-gram proposals are priced below k = 0 (or, with ``probe``, below the
         draft's plan) for NGRAM_PROBE_EVERY rounds in a row verifies its next one anyway, so
@@ -143,7 +143,8 @@ class ProposerChoice:
         if not tokens:
             return Proposal(NONE, RoundPlan(0))
         costs = self.costs
-        if not costs.ready or self._ngram_passed >= NGRAM_PROBE_EVERY:
+        fixed = self._controller.fixed_k is not None  # a fixed k: all of it, as the draft
+        if fixed or not costs.ready or self._ngram_passed >= NGRAM_PROBE_EVERY:
             return Proposal(NGRAM, RoundPlan(len(tokens)), tuple(tokens), n)
         rate = self._acceptance(n).rate
         sessions = costs.traffic.batch_load

@@ -20,7 +20,7 @@ truncated one must fail.
 N-gram lookup's proposals (specdec.decoding.ngram) are deterministic: q is a point mass on each
 proposed token. NGRAM_PROMPT is a cycle through the whole vocabulary, so whatever the first
 token, lookup proposes the two that followed it in the prompt; the far target rarely agrees, so
-most rounds take the residual p without x, and resampling from p instead must fail.
+most rounds take the residual p without x, and keeping the proposals unchecked must fail.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from scipy import stats
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.decoding.k_policy import KController
 from specdec.models.tiny import save_pair
-from specdec.worker import proposer, rejection
+from specdec.worker import proposer, rejection, verifier
 from specdec.worker.sampling import processed_probs
 
 N = 2000
@@ -124,6 +124,8 @@ def _variant(name):
         return mock.patch.object(rejection, "residual_distribution", lambda p, q: p)
     if name == "untruncated_q":
         return mock.patch.object(proposer, "truncate_top_n", _untruncated_q)
+    if name == "accept_all":  # every proposed token kept without its acceptance test
+        return mock.patch.object(verifier, "verify_sampled", _accept_all)
     if name == "confidence_stop":  # up to 2 tokens, stopping after the first when q(x1) < 0.05
         return mock.patch.object(KController, "choose", confidence_stop_choose(k=2, floor=0.05))
     assert name is None, name
@@ -270,13 +272,21 @@ def test_ngram_proposals_sample_the_target_distribution(far_engine, sampled, par
         assert pvalue > 1e-3, (position, pvalue)
 
 
+def _accept_all(draft_ids, q, p, generator):
+    """The broken acceptance: every proposed token kept, the bonus token drawn from p."""
+    k = draft_ids.shape[0]
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
 @pytest.mark.slow
-def test_the_ngram_test_catches_a_wrong_residual(far_engine, sampled):
-    """The same test, run against resampling from p (x included) after a rejection of an n-gram
-    token, must fail: it has power."""
+def test_the_ngram_test_catches_proposals_kept_unchecked(far_engine, sampled):
+    """The same test, run against keeping n-gram tokens without their acceptance test (as if a
+    deterministic proposal needed none), must fail: it has power. (Resampling from p after a
+    rejection barely differs here: p(x) is small for the far target, so p without x is close
+    to p.)"""
     params = {"temperature": 1.0}
     exact = _exact(far_engine, params, NGRAM_PROMPT)
-    broken, _ = sampled("ngram_engine", 2, params, variant="wrong_residual")
+    broken, _ = sampled("ngram_engine", 2, params, variant="accept_all")
     assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6
 
 
