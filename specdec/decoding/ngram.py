@@ -65,11 +65,8 @@ class NgramIndex:
         Returns:
             (tokens, n): the proposal and the n-gram length it matched; ([], 0) without a match.
         """
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            start = self.table.get(tuple(context[-n:]))
-            if start is not None:
-                return self.tokens[start : start + k], n
-        return [], 0
+        start, n = _longest_match(self.table, context, self.min_n, self.max_n)
+        return (self.tokens[start : start + k], n) if n else ([], 0)
 
 
 class RequestNgrams:
@@ -166,16 +163,27 @@ class SharedNgrams:
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """As NgramIndex.propose, over the completions still held."""
         with self._lock:
-            for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-                start = self._table.get(tuple(context[-n:]))
-                if start is not None:
-                    end = min(start + k, self._written)
-                    return [self._ring[p % self.capacity_tokens] for p in range(start, end)], n
-        return [], 0
+            start, n = _longest_match(self._table, context, self.min_n, self.max_n)
+            if not n:
+                return [], 0
+            end = min(start + k, self._written)
+            return [self._ring[p % self.capacity_tokens] for p in range(start, end)], n
 
     def __len__(self) -> int:
         """N-grams indexed."""
         return len(self._table)
+
+
+def _longest_match(
+    table: dict[tuple[int, ...], int], context: Sequence[int], min_n: int, max_n: int
+) -> tuple[int, int]:
+    """(position, n): where the continuation of the longest n-gram (max_n down to min_n)
+    ending ``context`` starts in ``table``; (0, 0) without a match."""
+    for n in range(min(max_n, len(context)), min_n - 1, -1):
+        start = table.get(tuple(context[-n:]))
+        if start is not None:
+            return start, n
+    return 0, 0
 
 
 def shared_ngrams(config: SpeculationConfig) -> SharedNgrams | None:
