@@ -12,8 +12,9 @@ num_accepted_tokens, num_accepted_tokens_per_pos); with ``specdec_decode_rounds`
 figure of specdec.decoding.stats is a ratio of two counters' rates, e.g. acceptance rate =
 accepted_tokens / draft_tokens and mean k = draft_tokens / decode_rounds. Those count every
 proposer's tokens; ``specdec_proposed_tokens`` and ``specdec_proposed_accepted_tokens`` split them
-by the tag ``proposer`` (``draft``: the draft model, ``ngram``: n-gram lookup in the router), and
-``specdec_ngram_rounds`` counts the decode rounds n-gram lookup proposed.
+by the tag ``proposer`` (``draft``: the draft model, ``ngram``: n-gram lookup in the router),
+``specdec_ngram_rounds`` counts the decode rounds n-gram lookup proposed, and
+``specdec_mixed_rounds`` those that verified lookup's tokens after the draft model's.
 k8s/monitoring/grafana-dashboard.json plots them.
 """
 
@@ -81,6 +82,10 @@ class RouterMetrics:
         self.ngram_rounds = metrics.Counter(
             "specdec_ngram_rounds", "Decode rounds whose proposal came from n-gram lookup."
         )
+        self.mixed_rounds = metrics.Counter(
+            "specdec_mixed_rounds",
+            "Decode rounds that verified n-gram lookup's tokens after the draft model's.",
+        )
         self.draft_tokens_per_position = metrics.Counter(
             "specdec_draft_tokens_per_position",
             "Decode rounds that drafted a token at draft position `position` (0-based).",
@@ -144,6 +149,7 @@ class RouterMetrics:
             (self.completion_tokens, stats.completion_tokens),
             (self.rounds_without_draft, stats.rounds_without_draft),
             (self.ngram_rounds, stats.ngram_rounds),
+            (self.mixed_rounds, stats.mixed_rounds),
         ):
             _add(counter, value)
         for proposer, proposed, accepted in (

@@ -333,6 +333,7 @@ def _speculation_figures(runs: Sequence[Run], costs: StepCosts | None) -> dict[s
         "predicted_round_s": bound.round_s if bound else None,
         "share_of_bound": _ratio(_decode_tps(runs), bound.tokens_per_second) if bound else None,
         "ngram_rounds": total.ngram_rounds,
+        "mixed_rounds": total.mixed_rounds,
         "proposed_tokens": _by_proposer(total.draft_tokens, total.ngram_draft_tokens),
         "proposed_accepted_tokens": _by_proposer(
             total.accepted_tokens, total.ngram_accepted_tokens

@@ -172,6 +172,12 @@ class ConfidenceCalibration:
         calibrated acceptance falls below ``floor`` (in [0, 1])."""
         return floor ** (1.0 / self.exponent)
 
+    def block_acceptance(self, confidences: Sequence[float]) -> float:
+        """The calibrated probability that the target accepts a whole drafted block whose
+        tokens had the draft probabilities ``confidences``: prod(p_i)^g (1 for no tokens)."""
+        product = math.prod(min(max(float(p), 1e-9), 1.0) for p in confidences)
+        return product**self.exponent
+
     def _fit(self) -> float:
         if len(self._tokens) < CONFIDENCE_MIN_TOKENS:
             return 1.0

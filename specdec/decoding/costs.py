@@ -142,6 +142,8 @@ class RoundTiming:
             included) and their rows (0: not reported, a lone verify).
         draft_free: the round's tokens came from n-gram lookup (specdec.decoding.ngram), not
             the draft model: it made one call, and tells nothing of the draft's costs.
+        ngram_tail: n-gram tokens verified after the draft model's in a mixed round
+            (ProposerChoice.tail): the verify covered k + ngram_tail tokens.
     """
 
     verify_s: float
@@ -154,6 +156,7 @@ class RoundTiming:
     batch_sessions: int = 0
     batch_rows: int = 0
     draft_free: bool = False
+    ngram_tail: int = 0
 
 
 class CostModel:
@@ -219,7 +222,8 @@ class CostModel:
         other request in flight) in which no side rebuilt. The draft's costs
         are kept for the load the round ran at (RequestTraffic.draft_load, LOAD_BUCKETS). A
         draft-free round (timing.draft_free: k tokens from n-gram lookup) gives its verify and
-        a one-call orchestration, priced as a k = 0 round's, and nothing of the draft.
+        a one-call orchestration, priced as a k = 0 round's, and nothing of the draft. A mixed
+        round's verify counts for its k + timing.ngram_tail tokens.
         """
         with self._lock:
             load = self.traffic.draft_load()
@@ -231,7 +235,7 @@ class CostModel:
             if batched and not timing.target_rebuilt:
                 self._batch_level.add(timing.verify_s / prior_s)
             elif not timing.target_rebuilt:
-                self._verify[k].add(timing.verify_s)
+                self._verify[k + timing.ngram_tail].add(timing.verify_s)
             # Under load a round's wall time outside compute is mostly its wait in the batch
             # queues, which the batch price already covers; priced again as orchestration it
             # stops speculation. A batched round waited for its batch, and so did a verify

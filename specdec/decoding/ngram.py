@@ -43,8 +43,7 @@ class NgramIndex:
     """
 
     def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        _check_lengths(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], int] = {}
@@ -94,14 +93,18 @@ class RequestNgrams:
         """Appends the tokens the target committed."""
         self._own.extend(token_ids)
 
-    def propose(self, k: int) -> tuple[list[int], int]:
-        """(tokens, n): up to k tokens continuing the request's text, by the longest n-gram
-        match in its own text, else in the shared index; ([], 0) where neither matches."""
+    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
+        """(tokens, n): up to k tokens continuing the request's text followed by ``after``
+        (tokens proposed but not yet verified, the draft model's in a mixed round), by the
+        longest n-gram match in its own text, else in the shared index; ([], 0) where neither
+        matches."""
         if k <= 0:
             return [], 0
-        tokens, n = self._own.propose(self._own.tokens, k)
+        own = self._own.tokens
+        context = [*own[-self._own.max_n :], *after] if after else own
+        tokens, n = self._own.propose(context, k)
         if not tokens and self._shared is not None:
-            tokens, n = self._shared.propose(self._own.tokens, k)
+            tokens, n = self._shared.propose(context, k)
         return tokens, n
 
     def finish(self) -> None:
@@ -126,8 +129,7 @@ class SharedNgrams:
     """
 
     def __init__(self, capacity_bytes: int, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        _check_lengths(min_n, max_n)
         per_token = BYTES_PER_TOKEN_PER_N * (max_n - min_n + 1)
         self.capacity_tokens = capacity_bytes // per_token
         if self.capacity_tokens < 1:
@@ -172,6 +174,11 @@ class SharedNgrams:
     def __len__(self) -> int:
         """N-grams indexed."""
         return len(self._table)
+
+
+def _check_lengths(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
 
 
 def _longest_match(

@@ -12,9 +12,13 @@ A request's ``proposer`` (specdec.config.PROPOSERS) bounds the choice:
   one call); a k = 0 plan is among them. A fixed ``num_speculative_tokens`` drafts that many
   with the draft model, as under ``draft``.
 
-N-gram lookup and the draft model are never mixed within one round: a round's proposal is one
-or the other. Either way the draft model's cache catches up on the committed tokens it missed
-at its next call (KController prices that catch-up).
+Under ``auto``, a round that drafts may also be mixed: after the draft model's tokens comes a
+tail of n-gram lookup continuing the text and those drafts (``tail``), verified in the same
+forward. The tail counts only if every draft token is accepted, so it is priced at the
+calibrated probability of that (ConfidenceCalibration.block_acceptance) and at what its tokens
+add to the verify: where the verify pads to a fixed width (half precision), a tail that fits in
+the padding costs nothing. Either way the draft model's cache catches up on the committed
+tokens it missed at its next call (KController prices that catch-up).
 
 The acceptance of n-gram proposals is estimated per request and per matched n-gram length (a
 4-gram match predicts its continuation better than a 2-gram one), each from a prior that is
@@ -24,6 +28,7 @@ the pooled acceptance of every request's n-gram rounds on this router
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from specdec.config import AUTO
@@ -83,6 +88,11 @@ class ProposerChoice:
     def costs(self) -> CostModel:
         return self._controller.costs
 
+    @property
+    def ngrams(self) -> RequestNgrams:
+        """The request's n-gram lookup."""
+        return self._ngrams
+
     def choose(
         self, limit: int, draft_lag: int, draft_available: bool, draft_ready: bool
     ) -> Proposal:
@@ -118,6 +128,56 @@ class ProposerChoice:
             return ngram
         self._ngram_passed += ngram.source == NGRAM
         return drafted
+
+    def tail(self, drafts: Sequence[int], confidences: Sequence[float], limit: int) -> Proposal:
+        """The n-gram tail of a mixed round (module docstring): the tokens lookup proposes
+        after the draft model's ``drafts`` (their draft probabilities ``confidences``, as the
+        draft reported them; empty: priced at the request's acceptance rate), cut to the length
+        t that maximises the round's predicted goodput
+
+            (E(k) + P(all k accepted) x (E_ngram(t) - 1)) / (round(k) + verify(k + t) - verify(k))
+
+        with E(k) the expected tokens of the k drafts, E_ngram(t) those of a t-token lookup
+        proposal at its measured acceptance (its own estimator per matched n, as for a whole
+        n-gram round). Under load verify(k + t) prices t more rows for every session of the
+        batch, an overestimate that only makes tails rarer. NONE for t = 0, and always outside
+        ``auto``, under a fixed k (it drafts exactly k), and before the costs are known.
+
+        Args:
+            drafts: the draft model's k tokens of this round.
+            confidences: their draft probabilities (ProposeResponse.confidences).
+            limit: as for choose.
+        """
+        none = Proposal(NONE, RoundPlan(0))
+        controller, costs, k = self._controller, self.costs, len(drafts)
+        room = self._cap(limit) - k
+        if self.proposer != AUTO or controller.fixed_k is not None or not k or room <= 0:
+            return none
+        if not costs.ready:
+            return none
+        tokens, n = self._ngrams.propose(room, after=drafts)
+        if not tokens:
+            return none
+        sessions, rate = costs.traffic.batch_load, controller.acceptance.rate
+        reach = (
+            controller.confidence.block_acceptance(confidences)
+            if len(confidences) == k
+            else rate**k
+        )
+        drafted_tokens, round_s = expected_tokens(rate, k), costs.round_seconds(k, sessions)
+        verify = [costs.verify_seconds(k + t, sessions) for t in range(len(tokens) + 1)]
+        tail_rate = self._acceptance(n).rate
+
+        def tokens_per_s(t: int) -> float:
+            gained = reach * (expected_tokens(tail_rate, t) - 1.0)
+            return (drafted_tokens + gained) / (round_s + max(verify[t] - verify[0], 0.0))
+
+        best = max(range(len(tokens) + 1), key=tokens_per_s)
+        if best == 0:
+            return none
+        return Proposal(
+            NGRAM, RoundPlan(best, tokens_per_s=tokens_per_s(best)), tuple(tokens[:best]), n
+        )
 
     def fallback(self, limit: int) -> Proposal:
         """The round's proposal when its draft call failed: n-gram lookup's, or NONE."""

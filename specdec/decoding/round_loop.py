@@ -21,10 +21,10 @@ from transformers import PreTrainedTokenizerBase
 from specdec.config import SpeculationConfig
 from specdec.decoding.costs import CostModel, RoundTiming
 from specdec.decoding.degrade import DraftAvailability
-from specdec.decoding.k_policy import KController
+from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams, SharedNgrams
 from specdec.decoding.phases import PhaseGate
-from specdec.decoding.proposers import DRAFT, NGRAM, Proposal, ProposerChoice
+from specdec.decoding.proposers import DRAFT, NGRAM, NONE, Proposal, ProposerChoice
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
 from specdec.decoding.stopping import Delta, StopChecker
@@ -200,14 +200,16 @@ class RoundLoop:
         choice = await self._choose()
         start = time.perf_counter()
         proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
+        tail, limit = Proposal(NONE, RoundPlan(0)), self._checker.remaining - 1
         if choice.source == DRAFT:
             plan = choice.plan
             response, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
             if response is None:  # the draft failed: n-gram lookup stands in this round
-                limit = self._checker.remaining - 1
                 choice = self._choices.fallback(limit)._replace(without_draft=True)
-            proposal = response or proposal
-        drafts, q = self._proposed(choice, proposal)
+            else:
+                proposal = response
+                tail = self._choices.tail(response.token_ids, response.confidences, limit)
+        drafts, q = self._proposed(choice, proposal, tail)
         verified, target_rebuilt = await self._verify(drafts, q)
         ngram = choice.source == NGRAM
         timing = RoundTiming(
@@ -221,23 +223,42 @@ class RoundLoop:
             batch_sessions=verified.batch_sessions,
             batch_rows=verified.batch_rows,
             draft_free=ngram,
+            ngram_tail=len(tail.tokens),
         )
-        drafted, accepted = len(drafts), verified.num_accepted
-        if drafted and not ngram:
-            self._draft_ran = min(accepted, drafted - 1)
-        self._controller.observe(drafted, accepted, timing, proposal.confidences)
-        if ngram:
-            self._choices.observe_ngram(choice, accepted)
+        self._observe(choice, tail, proposal, verified.num_accepted, timing)
         self._recorder.round(
-            drafted,
-            accepted,
+            len(drafts),
+            verified.num_accepted,
             timing.draft_s,
             timing.verify_s,
             timing.overhead_s,
             without_draft=choice.without_draft,
             ngram=ngram,
+            ngram_tail=len(tail.tokens),
         )
         return self._commit(verified)
+
+    def _observe(
+        self,
+        choice: Proposal,
+        tail: Proposal,
+        proposal: worker_pb2.ProposeResponse,
+        accepted: int,
+        timing: RoundTiming,
+    ) -> None:
+        """Tells the controller and the proposer choice what a round's proposals achieved: the
+        draft model's ``proposal`` (then ``tail``'s tokens from lookup, reached only if all of
+        the draft's were accepted), ``accepted`` of the round's tokens in all."""
+        if choice.source == NGRAM:
+            self._controller.observe(len(choice.tokens), accepted, timing)
+            self._choices.observe_ngram(choice, accepted)
+            return
+        drafted = len(proposal.token_ids)
+        if drafted:
+            self._draft_ran = min(accepted, drafted - 1)
+        self._controller.observe(drafted, min(accepted, drafted), timing, proposal.confidences)
+        if tail.tokens and accepted >= drafted:
+            self._choices.observe_ngram(tail, accepted - drafted)
 
     async def _choose(self) -> Proposal:
         """This round's proposal (ProposerChoice.choose), from whether the draft can be
@@ -248,21 +269,19 @@ class RoundLoop:
         return self._choices.choose(self._checker.remaining - 1, draft_lag, available, ready)
 
     def _proposed(
-        self, choice: Proposal, proposal: worker_pb2.ProposeResponse
+        self, choice: Proposal, proposal: worker_pb2.ProposeResponse, tail: Proposal
     ) -> tuple[list[int], worker_pb2.SparseDistribution | None]:
         """The tokens the round verifies and, when sampling, the q they were drawn from: the
-        draft's, or for an n-gram proposal a point mass on each token (q(x) = 1: the target
-        accepts x with probability p(x), else samples from p without x; Leviathan et al.
-        2023, section 2.3, for a deterministic draft)."""
-        if choice.source != NGRAM:
-            return list(proposal.token_ids), proposal.q if proposal.HasField("q") else None
-        drafts = list(choice.tokens)
+        draft's for its tokens, and for n-gram tokens (a whole lookup round, or a mixed
+        round's tail) a point mass on each (q(x) = 1: the target accepts x with probability
+        p(x), else samples from p without x; Leviathan et al. 2023, section 2.3, for a
+        deterministic draft)."""
+        looked_up = list(choice.tokens if choice.source == NGRAM else tail.tokens)
+        drafts = [*proposal.token_ids, *looked_up]
         if self._sampling.temperature == 0:
             return drafts, None
-        point_mass = worker_pb2.SparseDistribution(
-            width=1, token_ids=drafts, probs=[1.0] * len(drafts)
-        )
-        return drafts, point_mass
+        q = proposal.q if proposal.HasField("q") else None
+        return drafts, with_point_masses(q, looked_up) if looked_up else q
 
     def _commit(self, verified: worker_pb2.VerifyResponse) -> Delta:
         delta = self._checker.append(list(verified.token_ids), list(verified.logprobs))
@@ -353,3 +372,21 @@ class RoundLoop:
             prompt_tokens=len(self._request.prompt_ids),
             stats=self._recorder.finish(len(checker.token_ids)),
         )
+
+
+def with_point_masses(
+    q: worker_pb2.SparseDistribution | None, token_ids: list[int]
+) -> worker_pb2.SparseDistribution:
+    """``q`` (the draft's [rows, width] rows, or None) followed by one row per token of
+    ``token_ids`` that puts all its mass on that token: the token at probability 1, then
+    width - 1 other ids at 0 (distinct, as the verifier scatters rows into a dense one)."""
+    width = q.width if q is not None else 1
+    rows = worker_pb2.SparseDistribution(width=width)
+    if q is not None:
+        rows.token_ids.extend(q.token_ids)
+        rows.probs.extend(q.probs)
+    for token in token_ids:
+        others = [i for i in range(width) if i != token][: width - 1]
+        rows.token_ids.extend([token, *others])
+        rows.probs.extend([1.0] + [0.0] * (width - 1))
+    return rows

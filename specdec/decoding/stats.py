@@ -60,8 +60,11 @@ class SpeculationStats:
             (specdec.decoding.degrade): they ran on n-gram proposals where the request's text
             had a match, else at k = 0; the output is still exact, only slower.
         ngram_rounds, ngram_draft_tokens, ngram_accepted_tokens: decode rounds whose proposal
-            came from n-gram lookup (specdec.decoding.ngram), and their share of draft_tokens
-            and accepted_tokens; the draft model's share is the difference.
+            came from n-gram lookup (specdec.decoding.ngram), and the share of draft_tokens
+            and accepted_tokens that lookup proposed (in those rounds and in mixed ones); the
+            draft model's share is the difference.
+        mixed_rounds: decode rounds that verified n-gram tokens after the draft model's
+            (specdec.decoding.proposers, ProposerChoice.tail).
     """
 
     rounds: int = 0
@@ -82,6 +85,7 @@ class SpeculationStats:
     ngram_rounds: int = 0
     ngram_draft_tokens: int = 0
     ngram_accepted_tokens: int = 0
+    mixed_rounds: int = 0
 
     # --- derived figures: the only definitions --------------------------------------------
 
@@ -256,18 +260,21 @@ class StatsRecorder:
         overhead_s: float,
         without_draft: bool = False,
         ngram: bool = False,
+        ngram_tail: int = 0,
     ) -> None:
         """Records one decode round: k tokens proposed, num_accepted of them accepted, and the
         round's draft compute, target compute and time outside the models, seconds;
         ``without_draft`` when it could not call the draft model only because the draft side
-        was unavailable; ``ngram`` when n-gram lookup proposed its tokens."""
+        was unavailable; ``ngram`` when n-gram lookup proposed all its tokens; ``ngram_tail``
+        when it proposed the last that many (a mixed round)."""
         s = self.stats
         s.rounds += 1
         s.rounds_without_draft += without_draft
-        if ngram:
-            s.ngram_rounds += 1
-            s.ngram_draft_tokens += k
-            s.ngram_accepted_tokens += num_accepted
+        s.ngram_rounds += ngram
+        s.mixed_rounds += ngram_tail > 0
+        looked_up = k if ngram else ngram_tail
+        s.ngram_draft_tokens += looked_up
+        s.ngram_accepted_tokens += max(num_accepted - (k - looked_up), 0)
         s.draft_tokens += k
         s.accepted_tokens += num_accepted
         for i in range(k):

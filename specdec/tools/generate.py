@@ -80,8 +80,8 @@ def print_summary(last) -> None:
     s = last.stats
     ngram = (
         f", n-gram {s.ngram_accepted_tokens}/{s.ngram_draft_tokens} accepted in "
-        f"{s.ngram_rounds} rounds"
-        if s.ngram_rounds
+        f"{s.ngram_rounds} rounds and {s.mixed_rounds} mixed"
+        if s.ngram_draft_tokens
         else ""
     )
     print(

@@ -1,5 +1,5 @@
-"""N-gram lookup (specdec.decoding.ngram) and the per-round proposer choice
-(specdec.decoding.proposers)."""
+"""N-gram lookup (specdec.decoding.ngram), the per-round proposer choice and mixed rounds'
+n-gram tails (specdec.decoding.proposers)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import random
 import tracemalloc
 
 import pytest
+import torch
 
 from specdec.config import SpeculationConfig
 from specdec.decoding.acceptance import AcceptanceEstimator
@@ -14,6 +15,9 @@ from specdec.decoding.costs import CostModel, CostPrior, RoundTiming
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import NgramIndex, RequestNgrams, SharedNgrams
 from specdec.decoding.proposers import DRAFT, NGRAM, NGRAM_PROBE_EVERY, NONE, ProposerChoice
+from specdec.decoding.round_loop import with_point_masses
+from specdec.v1 import worker_pb2
+from specdec.worker.sampling import sparse_to_dense
 
 # --- the indexes -------------------------------------------------------------------------------
 
@@ -199,3 +203,60 @@ def test_a_passed_over_match_is_verified_again_after_the_probe_interval():
     sources = [choice.choose(100, 0, True, True).source for _ in range(NGRAM_PROBE_EVERY + 1)]
     assert sources[:NGRAM_PROBE_EVERY] == [DRAFT] * NGRAM_PROBE_EVERY
     assert sources[NGRAM_PROBE_EVERY] == NGRAM
+
+
+# --- mixed rounds: an n-gram tail after the draft model's tokens -------------------------------
+
+
+def test_lookup_continues_the_text_followed_by_unverified_drafts():
+    ngrams = RequestNgrams([10, 11, 12, 13, 14, 10], 2, 4)
+    # The match (10, 11) spans the request's last token and the draft's token.
+    assert ngrams.propose(3, after=[11]) == ([12, 13, 14], 2)
+    assert ngrams.propose(3, after=[99]) == ([], 0)
+    assert ngrams.propose(3) == ([], 0)  # (14, 10) never occurred before the end
+
+
+def test_a_tail_that_costs_nothing_follows_likely_drafts():
+    choice = _choice("auto", REPEATING, draft_rate=0.8, ngram_rate=0.8)  # a flat verify
+    tail = choice.tail([3, 4], [0.9, 0.9], limit=100)
+    assert tail.source == NGRAM and tail.ngram_n == 4
+    assert tail.tokens == (5, 6, 7, 8, 1, 2)  # up to k_max = 8 tokens with the drafts
+    assert len(choice.tail([3, 4], [0.9, 0.9], limit=4).tokens) == 2  # the tokens left
+
+
+@pytest.mark.parametrize("proposer, fixed_k", [("draft", None), ("ngram", None), ("auto", 2)])
+def test_only_an_adaptive_auto_round_takes_a_tail(proposer, fixed_k):
+    choice = _choice(proposer, REPEATING, fixed_k=fixed_k)
+    assert choice.tail([3, 4], [0.9, 0.9], limit=100).source == NONE
+
+
+def test_a_tail_is_priced_at_the_chance_the_drafts_are_all_accepted():
+    # Each token of the verify costs 5% more: worth it only where the tail is likely reached.
+    verify = lambda k: 0.1 * (1 + 0.05 * k)  # noqa: E731
+    sure = _choice("auto", REPEATING, ngram_rate=0.9, verify=verify)
+    assert sure.tail([3, 4], [1.0, 1.0], limit=100).source == NGRAM
+    unlikely = _choice("auto", REPEATING, ngram_rate=0.9, verify=verify)
+    assert unlikely.tail([3, 4], [0.01, 0.01], limit=100).source == NONE
+    # Without confidences, the draft's acceptance rate stands for them: 0.05^2.
+    low = _choice("auto", REPEATING, draft_rate=0.05, ngram_rate=0.9, verify=verify)
+    assert low.tail([3, 4], [], limit=100).source == NONE
+    # Reached for sure but rarely accepted, against a verify growing 50% a token.
+    steep = _choice("auto", REPEATING, ngram_rate=0.05, verify=lambda k: 0.1 * (1 + 0.5 * k))
+    assert steep.tail([3, 4], [1.0, 1.0], limit=100).source == NONE
+
+
+def test_a_mixed_rounds_q_is_the_drafts_rows_then_point_masses():
+    q = worker_pb2.SparseDistribution(
+        width=3, token_ids=[4, 1, 0, 2, 3, 4], probs=[0.5, 0.3, 0.2, 0.6, 0.4, 0.0]
+    )
+    rows = with_point_masses(q, [1, 7])
+    dense = sparse_to_dense(
+        torch.tensor(list(rows.token_ids)).view(4, 3), torch.tensor(list(rows.probs)).view(4, 3), 8
+    )
+    expected = torch.zeros(4, 8)
+    expected[0, [4, 1, 0]] = torch.tensor([0.5, 0.3, 0.2])
+    expected[1, [2, 3]] = torch.tensor([0.6, 0.4])
+    expected[2, 1] = expected[3, 7] = 1.0
+    assert torch.equal(dense, expected)
+    alone = with_point_masses(None, [5, 6])
+    assert (alone.width, list(alone.token_ids), list(alone.probs)) == (1, [5, 6], [1.0, 1.0])

@@ -5,8 +5,10 @@ request's text reaches another's proposals."""
 from __future__ import annotations
 
 import pytest
+from forced_rounds import unpriced_tail
 
 from specdec import SamplingParams, SpeculativeEngine
+from specdec.decoding.proposers import ProposerChoice
 from specdec.models.tiny import PROMPTS
 
 GREEDY = SamplingParams(max_new_tokens=48)
@@ -54,6 +56,26 @@ def test_a_fixed_k_bounds_the_ngram_proposal(engine, target_only, k):
         assert out.token_ids == target_only[prompt].token_ids
         assert out.stats.ngram_rounds > 0
         assert out.stats.ngram_draft_tokens <= k * out.stats.ngram_rounds
+
+
+def test_mixed_rounds_keep_greedy_output_equal_to_the_target_alone(
+    engine, target_only, monkeypatch
+):
+    """Every drafting round verifies up to 3 lookup tokens after the draft's (forced: the real
+    tail is priced): the draft's cache then lags by the accepted tail, and catches up."""
+    monkeypatch.setattr(ProposerChoice, "tail", unpriced_tail(3))
+    stats = []
+    for prompt in REPEATING:
+        out = engine.generate(prompt, GREEDY, proposer="auto")
+        assert out.token_ids == target_only[prompt].token_ids, prompt
+        stats.append(out.stats)
+    assert sum(s.mixed_rounds for s in stats) > 0
+    assert sum(s.ngram_accepted_tokens for s in stats) > 0
+    for s in stats:
+        assert s.ngram_accepted_tokens <= s.ngram_draft_tokens <= s.draft_tokens
+        assert s.mixed_rounds + s.ngram_rounds <= s.decode_rounds
+        if s.mixed_rounds:  # the draft model proposed the head of each mixed round
+            assert s.draft_tokens - s.ngram_draft_tokens >= s.mixed_rounds
 
 
 def test_ngram_never_calls_the_draft_model(engine, monkeypatch):

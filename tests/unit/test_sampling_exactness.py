@@ -20,7 +20,9 @@ truncated one must fail.
 N-gram lookup's proposals (specdec.decoding.ngram) are deterministic: q is a point mass on each
 proposed token. NGRAM_PROMPT is a cycle through the whole vocabulary, so whatever the first
 token, lookup proposes the two that followed it in the prompt; the far target rarely agrees, so
-most rounds take the residual p without x, and keeping the proposals unchecked must fail.
+most rounds take the residual p without x, and keeping the proposals unchecked must fail. A
+mixed round (ProposerChoice.tail) verifies the draft's token and then lookup's next one, with
+the draft's q row and a point mass in one q.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from forced_rounds import confidence_stop_choose
+from forced_rounds import confidence_stop_choose, unpriced_tail
 from scipy import stats
 
 from specdec import SamplingParams, SpeculativeEngine
+from specdec.decoding import round_loop
 from specdec.decoding.k_policy import KController
+from specdec.decoding.proposers import ProposerChoice
 from specdec.models.tiny import save_pair
 from specdec.worker import proposer, rejection, verifier
 from specdec.worker.sampling import processed_probs
@@ -56,11 +60,12 @@ NGRAM_PROMPT = " ".join(f"w{i}" for i in range(VOCAB - 1)) + " w0"
 ENGINES = {
     "far_engine": {},
     "ngram_engine": {"proposer": "ngram", "ngram_min_n": 1},
+    "mixed_engine": {"proposer": "auto", "ngram_min_n": 1},
     "truncating_engine": {"draft_top_n": TOP_N},
     # the static runner (specdec.worker.static): sampled rows go through the host's sampler
     "static_engine": {"runner": "static", "max_model_len": 64, "cache_capacity_bytes": 2**24},
 }
-PROMPTS = {"ngram_engine": NGRAM_PROMPT}  # the engines that do not sample PROMPT
+PROMPTS = {"ngram_engine": NGRAM_PROMPT, "mixed_engine": NGRAM_PROMPT}  # the others: PROMPT
 WORKERS = 2  # processes sharing the seeds: each request's forwards run one thread at a time
 
 
@@ -119,7 +124,13 @@ def _worker_counts(engine_name, k, params, group_starts, variant):
 
 
 def _variant(name):
-    """The change a test makes for one run: a defect the tests must catch, or a forced plan."""
+    """The change a test makes for one run: a defect the tests must catch, or a forced plan;
+    several joined by "+"."""
+    if name is not None and "+" in name:
+        stack = contextlib.ExitStack()
+        for part in name.split("+"):
+            stack.enter_context(_variant(part))
+        return stack
     if name == "wrong_residual":  # resampling from p after a rejection
         return mock.patch.object(rejection, "residual_distribution", lambda p, q: p)
     if name == "untruncated_q":
@@ -128,6 +139,14 @@ def _variant(name):
         return mock.patch.object(verifier, "verify_sampled", _accept_all)
     if name == "confidence_stop":  # up to 2 tokens, stopping after the first when q(x1) < 0.05
         return mock.patch.object(KController, "choose", confidence_stop_choose(k=2, floor=0.05))
+    if name == "mixed":  # one draft token, then lookup's next token in the same round
+        return _variant("one_draft_token+one_lookup_token")
+    if name == "one_draft_token":
+        return mock.patch.object(KController, "choose", confidence_stop_choose(k=1, floor=0.0))
+    if name == "one_lookup_token":
+        return mock.patch.object(ProposerChoice, "tail", unpriced_tail(1))
+    if name == "zero_point_mass":  # a point-mass row written with q(x) = 0
+        return mock.patch.object(round_loop, "with_point_masses", _zero_point_masses)
     assert name is None, name
     return contextlib.nullcontext()
 
@@ -288,6 +307,33 @@ def test_the_ngram_test_catches_proposals_kept_unchecked(far_engine, sampled):
     exact = _exact(far_engine, params, NGRAM_PROMPT)
     broken, _ = sampled("ngram_engine", 2, params, variant="accept_all")
     assert min(_fit_pvalue(broken[row], exact[row]) for row in range(2)) < 1e-6
+
+
+@pytest.mark.slow
+def test_mixed_rounds_sample_the_target_distribution(far_engine, sampled):
+    """A mixed round, one draft token then lookup's next token verified in the same forward
+    (the draft's q row, then a point mass), keeps the output exact; and the test has power
+    against a point mass written as q(x) = 0, which keeps the tail's token unchecked."""
+    params = {"temperature": 1.0}
+    exact = _exact(far_engine, params, NGRAM_PROMPT)
+    counts, proposed = sampled("mixed_engine", "auto", params, variant="mixed")
+    assert proposed[1] > 0.9 * N  # the first round had its tail for nearly every seed
+    for position in range(2):
+        pvalue = _fit_pvalue(counts[position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
+    broken, _ = sampled("mixed_engine", "auto", params, variant="mixed+zero_point_mass")
+    assert _fit_pvalue(broken[1], exact[1]) < 1e-6
+
+
+def _zero_point_masses(q, token_ids):
+    """The broken mixed round's q: each point-mass row puts probability 0 on its token."""
+    rows = _real_point_masses(q, token_ids)
+    for row in range(len(token_ids)):
+        rows.probs[(len(rows.probs) // rows.width - 1 - row) * rows.width] = 0.0
+    return rows
+
+
+_real_point_masses = round_loop.with_point_masses
 
 
 def _untruncated_q(probs, top_n):
