@@ -76,7 +76,8 @@ class OpenAIRoutes:
     @HTTP_APP.get("/v1/models")
     async def list_models(self) -> Response:
         """The served model (the target; its id goes in requests' ``model``), the draft in
-        ``draft_model`` and the context limit (tokens) in ``max_model_len``."""
+        ``draft_model`` (null while no draft replica has answered this router) and the
+        context limit (tokens) in ``max_model_len``."""
         try:
             draft, target = await self._model_info()
         except Exception as err:  # noqa: BLE001 - every failure becomes an error object
@@ -87,7 +88,7 @@ class OpenAIRoutes:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "specdec",
-            "draft_model": draft.name,
+            "draft_model": draft.name if draft is not None else None,
             "max_model_len": limits.context_limit,
         }
         return JSONResponse({"object": "list", "data": [model]})

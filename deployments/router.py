@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -30,7 +30,7 @@ from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.ngram import shared_ngrams
-from specdec.decoding.phases import PhaseGate
+from specdec.decoding.phases import SIDES, PhaseGate
 from specdec.decoding.request import (
     AUTO,
     ModelLimits,
@@ -53,6 +53,15 @@ from specdec.models.loading import check_same_tokenizer, load_tokenizer
 from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
+
+
+_BACKGROUND: set[asyncio.Future] = set()  # calls no request waits for, kept until they end
+
+
+def _keep(task: asyncio.Future) -> None:
+    """Holds a reference to ``task`` until it ends (asyncio keeps only weak ones)."""
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 class HandleTransport:
@@ -91,23 +100,40 @@ class HandleTransport:
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         return await self._call(self._target, "verify", request)
 
-    async def release(self, session_id: str) -> None:
+    async def release(self, session_id: str, sides: Collection[str] = SIDES) -> None:
+        """Drops the session on ``sides``: the target's release is awaited (within
+        call_timeout_s), the draft's only sent. The draft is an optimisation, and its release
+        must not hold a request that is done: with the draft pool gone, Serve queues the call
+        until a draft replica exists, and every request then ended call_timeout_s late (120 s
+        as shipped on the local cluster). A draft replica that never receives it frees the
+        session once it idles `cache_idle_s`)."""
+        request = worker_pb2.ReleaseRequest(session_id=session_id)
         # Serve cancels the handle calls a request has in flight when that request is cancelled,
         # and a request can end before its release is answered (a closed HTTP stream: starlette
         # cancels the stream again at every await, so the round loop's shield returns early).
         # Made from a fresh context, the release calls are no child of the request: they always
-        # reach both replicas, and a session's cache never outlives its request.
-        await contextvars.Context().run(asyncio.ensure_future, self._release(session_id))
+        # reach the replicas, and a session's cache never outlives its request.
+        if "draft" in sides:
+            _keep(
+                contextvars.Context().run(
+                    asyncio.ensure_future, self._release(self._draft, request)
+                )
+            )
+        if "target" in sides:
+            await contextvars.Context().run(
+                asyncio.ensure_future, self._release(self._target, request)
+            )
 
-    async def _release(self, session_id: str) -> None:
-        request = worker_pb2.ReleaseRequest(session_id=session_id)
-        calls = [
-            asyncio.wait_for(handle.release.remote(request), self._service.call_timeout_s)
-            for handle in (self._draft, self._target)
-        ]
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException):
-                log.warning("release of session %s failed: %r", session_id, result)
+    async def _release(self, handle: DeploymentHandle, request: worker_pb2.ReleaseRequest) -> None:
+        try:
+            await asyncio.wait_for(handle.release.remote(request), self._service.call_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a failed release is logged, never raised
+            log.warning(
+                "release of session %s on %s failed: %r",
+                request.session_id,
+                handle.deployment_name,
+                err,
+            )
 
     async def _call(self, handle: DeploymentHandle, method: str, request):
         loop = asyncio.get_running_loop()
@@ -339,6 +365,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             self.draft_availability,
             self.phases,
             self.shared_ngrams,
+            draft_wait_s=self.config.service.draft_timeout_s,
         )
 
     async def _probe_draft(self) -> None:

@@ -360,7 +360,8 @@ class ServiceConfig(_Section):
     the request goes on without the draft (k = 0: the target alone, still exact; its stats
     count `rounds_without_draft`), and so do the router's other requests until the draft
     answers again (see `draft_retry_s`). A draft call that carries a whole sequence (the
-    prompt's prefill, a rebuild) may take `call_timeout_s`; nothing waits on a prefill."""
+    prompt's prefill, a rebuild) may take `call_timeout_s`, but a round waits for it at most
+    this long: past it, the call runs on in the background as the draft's prefill."""
 
     draft_retry_s: float = 1.0
     """Seconds from a draft failure to the router's first check that a draft replica answers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from specdec.config import SpecdecConfig, SpeculationConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.ngram import shared_ngrams
+from specdec.decoding.phases import SIDES
 from specdec.decoding.request import AUTO, ModelLimits, encode_prompt, prepare_request
 from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import SamplingParams
@@ -100,10 +101,12 @@ class LocalTransport:
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         return await self._verify(request)
 
-    async def release(self, session_id: str) -> None:
+    async def release(self, session_id: str, sides: Collection[str] = SIDES) -> None:
         request = worker_pb2.ReleaseRequest(session_id=session_id)
-        self.proposer.release(request)
-        self.verifier.release(request)
+        if "draft" in sides:
+            self.proposer.release(request)
+        if "target" in sides:
+            self.verifier.release(request)
 
 
 class SpeculativeEngine:

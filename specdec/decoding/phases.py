@@ -37,7 +37,13 @@ class PhaseGate:
     side waits; otherwise it queues. When the last call of a phase ends, the phase passes to the
     side of the longest-waiting call, and every queued call of that side enters together (the
     next batch). So neither side starves: once a call of the other side waits, new calls of the
-    running side queue behind it. A call that has waited ``max_wait_s`` seconds runs anyway.
+    running side queue behind it. A call that has waited ``max_wait_s`` seconds takes the phase
+    for its side, with every call of its side still queued: the calls of the phase it ends run
+    on beside it, and new calls of its side enter at once. Why: when the running phase is a call
+    stuck on a lost replica (a draft call waiting for a pool that died, up to call_timeout_s),
+    a waiter that only ran beside it left the phase with the stuck call, so every later verify
+    of every request waited max_wait_s again: 5 s a round, and streams of 200 tokens passed
+    their 120 s deadline.
 
     Args:
         max_wait_s: seconds a call waits at most (MAX_WAIT_S).
@@ -46,8 +52,8 @@ class PhaseGate:
     def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
         self._max_wait_s = max_wait_s
         self._phase: str | None = None  # the side whose phase runs; None when no call runs
-        self._running = dict.fromkeys(SIDES, 0)
-        self._queue: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
+        self._running: dict[str, set[_Call]] = {side: set() for side in SIDES}  # in the phase
+        self._queue: collections.deque[tuple[_Call, asyncio.Future]] = collections.deque()
 
     @property
     def phase(self) -> str | None:
@@ -63,46 +69,68 @@ class PhaseGate:
         """
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
-        await self._enter(side)
+        call = _Call(side)
+        await self._enter(call)
         try:
             yield
         finally:
-            self._exit(side)
+            self._exit(call)
 
-    async def _enter(self, side: str) -> None:
-        if self._phase in (None, side) and not self._queue:
-            self._phase = side
-            self._running[side] += 1
+    async def _enter(self, call: _Call) -> None:
+        if self._phase in (None, call.side) and not self._queue:
+            self._phase = call.side
+            self._running[call.side].add(call)
             return
         admitted = asyncio.get_running_loop().create_future()
-        self._queue.append((side, admitted))
+        self._queue.append((call, admitted))
         try:
             await asyncio.wait_for(asyncio.shield(admitted), self._max_wait_s)
         except (TimeoutError, asyncio.CancelledError) as err:
             if admitted.done():  # admitted as the wait ended: the call holds its phase
                 if isinstance(err, TimeoutError):
                     return
-                self._exit(side)
+                self._exit(call)
                 raise
-            self._queue.remove((side, admitted))
+            self._queue.remove((call, admitted))
             admitted.cancel()
             if isinstance(err, asyncio.CancelledError):
                 raise
-            self._running[side] += 1  # past max_wait_s: runs beside the phase, not in it
+            # Past max_wait_s the running phase is taken as stuck: its calls run on beside.
+            for stuck in self._running[self._other(call.side)]:
+                stuck.beside = True
+            self._running[self._other(call.side)].clear()
+            self._take_phase(call.side)
+            self._running[call.side].add(call)
 
-    def _exit(self, side: str) -> None:
-        self._running[side] -= 1
-        if self._running[self._phase] > 0:
+    def _exit(self, call: _Call) -> None:
+        if call.beside:
             return
-        if not self._queue:
-            self._phase = None if not any(self._running.values()) else self._other(self._phase)
+        self._running[call.side].discard(call)
+        if self._running[call.side]:
             return
-        self._phase = self._queue[0][0]
-        for entry in [entry for entry in self._queue if entry[0] == self._phase]:
+        if self._queue:
+            self._take_phase(self._queue[0][0].side)
+        else:
+            self._phase = None
+
+    def _take_phase(self, side: str) -> None:
+        """Gives the phase to ``side`` and admits every call of that side still queued."""
+        self._phase = side
+        for entry in [entry for entry in self._queue if entry[0].side == side]:
             self._queue.remove(entry)
-            self._running[self._phase] += 1
+            self._running[side].add(entry[0])
             entry[1].set_result(None)
 
     @staticmethod
     def _other(side: str) -> str:
         return SIDES[1 - SIDES.index(side)]
+
+
+class _Call:
+    """One call through the gate: its side, and whether it runs beside the phase (a phase
+    taken from it as stuck, PhaseGate._enter) rather than in it."""
+
+    __slots__ = ("side", "beside")
+
+    def __init__(self, side: str) -> None:
+        self.side, self.beside = side, False

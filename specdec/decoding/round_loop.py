@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -23,7 +23,7 @@ from specdec.decoding.costs import CostModel, RoundTiming
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams, SharedNgrams
-from specdec.decoding.phases import PhaseGate
+from specdec.decoding.phases import SIDES, PhaseGate
 from specdec.decoding.proposers import DRAFT, NGRAM, NONE, Proposal, ProposerChoice
 from specdec.decoding.request import PreparedRequest
 from specdec.decoding.stats import SpeculationStats, StatsRecorder
@@ -38,8 +38,8 @@ class Transport(Protocol):
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse: ...
 
-    async def release(self, session_id: str) -> None:
-        """Drops the session on both sides; must not raise."""
+    async def release(self, session_id: str, sides: Collection[str] = SIDES) -> None:
+        """Drops the session on ``sides`` (of "draft", "target"); must not raise."""
 
 
 @dataclasses.dataclass
@@ -77,6 +77,9 @@ class RoundLoop:
         shared_ngrams: the router's index over recent completions
             (SpeculationConfig.shared_ngram_bytes), read by this request's n-gram lookup and
             given its completion; None: the request reads only its own text.
+        draft_wait_s: the longest a round waits for a draft call that carries the whole
+            sequence (the router's ServiceConfig.draft_timeout_s; _draft_for_round); None: as
+            long as the call takes (the in-process engine).
     """
 
     def __init__(
@@ -89,8 +92,10 @@ class RoundLoop:
         draft: DraftAvailability | None = None,
         phases: PhaseGate | None = None,
         shared_ngrams: SharedNgrams | None = None,
+        draft_wait_s: float | None = None,
     ) -> None:
         self._transport = transport
+        self._draft_wait_s = draft_wait_s
         self._phases = phases
         self._draft = draft or DraftAvailability()
         self._request = request
@@ -117,10 +122,13 @@ class RoundLoop:
         # tokens (all accepted ones but the last drafted): its cache holds them.
         self._draft_ran = 0
         self._draft_prefill: asyncio.Future | None = None
+        self._called: list[str] = []  # the sides sent a call for this session, in order
         self.completion: Completion | None = None
 
     async def run(self) -> AsyncIterator[Delta]:
-        """Yields each round's Delta; releases the session on both sides however it ends."""
+        """Yields each round's Delta; releases the session however it ends, on each side that
+        was sent a call for it (a target-only request never calls the draft side, not even to
+        release: it must not wait on a draft pool that is gone)."""
         self._controller.costs.traffic.request_started(self._controller)
         try:
             delta = await self._prefill()
@@ -135,7 +143,9 @@ class RoundLoop:
                 self._draft_prefill.cancel()
             # Shielded: a cancelled request must still free both caches.
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.shield(self._transport.release(self._request.session_id))
+                if self._called:
+                    release = self._transport.release(self._request.session_id, self._called)
+                    await asyncio.shield(release)
 
     async def complete(self) -> Completion:
         """Runs every round (run() to its end) and returns the completion. Raises as run();
@@ -202,9 +212,8 @@ class RoundLoop:
         proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
         tail, limit = Proposal(NONE, RoundPlan(0)), self._checker.remaining - 1
         if choice.source == DRAFT:
-            plan = choice.plan
-            response, draft_rebuilt = await self._propose(plan.k, plan.min_draft_confidence)
-            if response is None:  # the draft failed: n-gram lookup stands in this round
+            response, draft_rebuilt = await self._draft_for_round(choice.plan)
+            if response is None:  # no draft: n-gram lookup stands in this round
                 choice = self._choices.fallback(limit)._replace(without_draft=True)
             else:
                 proposal = response
@@ -259,6 +268,30 @@ class RoundLoop:
         self._controller.observe(drafted, min(accepted, drafted), timing, proposal.confidences)
         if tail.tokens and accepted >= drafted:
             self._choices.observe_ngram(tail, accepted - drafted)
+
+    async def _draft_for_round(
+        self, plan: RoundPlan
+    ) -> tuple[worker_pb2.ProposeResponse | None, bool]:
+        """The round's propose, as _propose. Its first call for this session carries the whole
+        sequence (the draft's prefill, where it did not run beside the target's); the round
+        waits for that one at most draft_wait_s, after which it runs on in the background as
+        the draft's prefill (its drafts dropped) and this round goes without the draft, as
+        rounds do while a concurrent prefill runs. A draft that slow is one the breaker takes
+        as down (specdec.decoding.degrade), as it does a decode round's propose past
+        draft_timeout_s: the router's other requests stop calling it until a check answers.
+        Why: such a call may take call_timeout_s (a long prompt on a busy CPU), and where the
+        draft pool had died unnoticed the round waited all of it: 120 s as shipped on the
+        local cluster, for a request that needs no draft to be answered."""
+        call = self._propose(plan.k, plan.min_draft_confidence)
+        if self._known["draft"] > 0 or self._draft_wait_s is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        done, _ = await asyncio.wait({task}, timeout=self._draft_wait_s)
+        if task in done:
+            return task.result()
+        self._draft_prefill = task
+        self._draft.failed(TimeoutError(f"no draft answer in {self._draft_wait_s:g} s"))
+        return None, False
 
     async def _choose(self) -> Proposal:
         """This round's proposal (ProposerChoice.choose), from whether the draft can be
@@ -326,6 +359,8 @@ class RoundLoop:
         """
         known = self._known[side]
         sent = self._set_session(request, known)
+        if side not in self._called:
+            self._called.append(side)
         response = await self._in_phase(side, method, request)
         rebuilt = bool(response.cache_miss and known)
         if rebuilt:

@@ -21,9 +21,11 @@ def write_config(
     draft: Path,
     target: Path,
     autoscaling: dict[str, dict] | None = None,
+    shipped_timeouts: bool = False,
     **args: object,
 ) -> tuple[Path, int]:
-    """The shipped local config with the tiny pair, free ports and short timeouts.
+    """The shipped local config with the tiny pair, free ports and short timeouts (the shipped
+    ones with ``shipped_timeouts``).
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
@@ -40,12 +42,12 @@ def write_config(
         draft_model=str(draft),
         target_model=str(target),
         dtype="float32",
-        call_timeout_s=5,
-        unavailable_after_s=8,
-        draft_timeout_s=3,
-        draft_retry_s=0.5,
         cache_capacity_bytes=64 * 1024**2,
     )
+    if not shipped_timeouts:
+        app["args"].update(
+            call_timeout_s=5, unavailable_after_s=8, draft_timeout_s=3, draft_retry_s=0.5
+        )
     app["args"].update(args)
     for deployment in app["deployments"]:
         if autoscaling is None:
@@ -71,13 +73,14 @@ def _single_threaded(deployment: dict) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_pair):
-    """A factory: ``with tiny_service(tmp, autoscaling=None, **args) as (client, info,
-    address):`` the tiny pair served on a fresh local cluster of its own (see write_config,
-    serving)."""
+    """A factory: ``with tiny_service(tmp, autoscaling=None, shipped_timeouts=False, **args)
+    as (client, info, address):`` the tiny pair served on a fresh local cluster of its own
+    (see write_config, serving)."""
     pytest.importorskip("ray")
 
-    def start(tmp, autoscaling=None, **args):
-        return serving(tmp, *write_config(tmp, *tiny_pair, autoscaling, **args))
+    def start(tmp, autoscaling=None, shipped_timeouts=False, **args):
+        config = write_config(tmp, *tiny_pair, autoscaling, shipped_timeouts, **args)
+        return serving(tmp, *config)
 
     return start
 

@@ -30,6 +30,11 @@ def grpc_client(served):
 @pytest.fixture(scope="module")
 def base_url(served) -> str:
     """``http://127.0.0.1:PORT/specdec/v1``: the HTTP port and route prefix Serve runs with."""
+    return http_base_url()
+
+
+def http_base_url() -> str:
+    """The OpenAI base URL of the application this driver's Serve runs."""
     from ray import serve
     from ray.serve.schema import ServeInstanceDetails
 

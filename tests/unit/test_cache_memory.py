@@ -147,7 +147,7 @@ class _CheckingTransport(LocalTransport):
 
     def __init__(self, proposer, verifier) -> None:
         super().__init__(proposer, verifier)
-        self.deferred: list[str] = []
+        self.deferred: list[tuple] = []
         self.calls = 0
 
     async def propose(self, request):
@@ -160,12 +160,12 @@ class _CheckingTransport(LocalTransport):
         self.check()
         return response
 
-    async def release(self, session_id: str) -> None:
-        self.deferred.append(session_id)
+    async def release(self, session_id: str, sides=("draft", "target")) -> None:
+        self.deferred.append((session_id, sides))
 
     async def release_now(self) -> None:
-        for session_id in self.deferred:
-            await super().release(session_id)
+        for session_id, sides in self.deferred:
+            await super().release(session_id, sides)
 
     def check(self) -> None:
         self.calls += 1

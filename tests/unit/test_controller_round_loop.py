@@ -27,8 +27,8 @@ class _Wrapped:
     def __init__(self, inner) -> None:
         self.inner = inner
 
-    async def release(self, session_id):
-        await self.inner.release(session_id)
+    async def release(self, session_id, sides=("draft", "target")):
+        await self.inner.release(session_id, sides)
 
 
 class _Recording(_Wrapped):

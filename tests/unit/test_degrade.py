@@ -8,6 +8,7 @@ the stats count the rounds that ran without the draft, and speculation resumes a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -88,6 +89,7 @@ class _FlakyDraft:
         self.inner = inner
         self.fail = fail
         self.draft_calls = 0
+        self.released: list[tuple[str, ...]] = []  # the sides of each release
 
     async def propose(self, request):
         call = self.draft_calls
@@ -99,21 +101,25 @@ class _FlakyDraft:
     async def verify(self, request):
         return await self.inner.verify(request)
 
-    async def release(self, session_id):
-        await self.inner.release(session_id)
+    async def release(self, session_id, sides=("draft", "target")):
+        self.released.append(tuple(sides))
+        await self.inner.release(session_id, sides)
 
 
-def _run(engine, transport, prompt, k, breaker):
+def _run(engine, transport, prompt, k, breaker, config=None, **loop_args):
     request = prepare_request(
         encode_prompt(engine.tokenizer, prompt),
         SamplingParams(max_new_tokens=NEW_TOKENS),
         engine.limits,
         k,
     )
+    config = config or engine.config.speculation
     loop = RoundLoop(
-        transport, engine.tokenizer, request, engine.costs, engine.config.speculation, breaker
+        transport, engine.tokenizer, request, engine.costs, config, breaker, **loop_args
     )
-    return asyncio.run(loop.complete())
+    # A liveness bound, not a timing: a round that waited on a call that never answers would
+    # hang the test.
+    return asyncio.run(asyncio.wait_for(loop.complete(), 120))
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +199,72 @@ def test_a_target_only_request_never_calls_the_draft(engine, target_alone):
     assert completion.token_ids == target_alone[prompt].token_ids
     assert transport.draft_calls == 0 and not breaker.down
     assert completion.stats.rounds_without_draft == 0
+    assert transport.released == [("target",)]  # not even a release reaches the draft side
+    _run(engine, transport, prompt, K, breaker)
+    assert transport.released[-1] == ("target", "draft")
+
+
+class _SilentDraft(_FlakyDraft):
+    """A draft that never answers a call carrying the whole sequence (a dead pool whose calls
+    Serve queues), and answers the others."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, lambda call: False)
+
+    async def propose(self, request):
+        if request.session.prefix_len == 0:
+            self.draft_calls += 1
+            await asyncio.Event().wait()
+        return await super().propose(request)
+
+
+def test_a_round_waits_for_the_drafts_first_call_at_most_draft_wait_s(engine, target_alone):
+    """With the draft prefilled after the first token (concurrent_prefill off, the local
+    config), the first drafting round's call carries the prompt: a draft that never answers
+    it holds that round draft_wait_s, and the request goes on without the draft (the call
+    runs on in the background until the request ends)."""
+    prompt = PROMPTS[2]
+    transport = _SilentDraft(engine.transport)
+    config = dataclasses.replace(engine.config.speculation, concurrent_prefill=False)
+    completion = _run(engine, transport, prompt, K, DraftAvailability(), config, draft_wait_s=0.05)
+    assert completion.token_ids == target_alone[prompt].token_ids
+    assert transport.draft_calls == 1  # one first call, never answered, never repeated
+    assert completion.stats.rounds_without_draft > 0
+    assert completion.stats.draft_tokens == completion.stats.ngram_draft_tokens
+
+
+class _Handle:
+    """A Serve deployment handle whose release calls answer at once, or never (a draft pool
+    without replicas, where Serve queues the call)."""
+
+    def __init__(self, name, answers) -> None:
+        self.deployment_name, self.answers, self.received = name, answers, []
+        self.release = self
+
+    def options(self, **kwargs):
+        return self
+
+    def remote(self, request):
+        self.received.append(request.session_id)
+        future = asyncio.get_running_loop().create_future()
+        if self.answers:
+            future.set_result(None)
+        return future
+
+
+def test_a_finished_request_never_waits_for_the_draft_sides_release():
+    """With the draft pool gone, a release sent to it is queued until a draft replica exists:
+    the request's end must not wait for it (it waited call_timeout_s, 120 s as shipped)."""
+    from specdec.config import ServiceConfig
+    from specdec.deployments.router import HandleTransport
+
+    draft, target = _Handle("DraftModel", answers=False), _Handle("TargetModel", answers=True)
+    transport = HandleTransport(
+        draft, target, "s1", ServiceConfig(call_timeout_s=60, unavailable_after_s=90)
+    )
+
+    async def release():
+        await asyncio.wait_for(transport.release("s1", ("target", "draft")), timeout=5)
+
+    asyncio.run(release())
+    assert target.received == ["s1"] and draft.received == ["s1"]  # sent, not waited for

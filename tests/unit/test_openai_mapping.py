@@ -362,3 +362,29 @@ def test_the_shipped_local_config_serves_the_api_on_port_8000():
     from specdec.tools.args import config_path, openai_base_url
 
     assert openai_base_url(config_path("local.yaml")) == "http://127.0.0.1:8000/specdec/v1"
+
+
+def test_models_answers_while_no_draft_replica_has_answered():
+    """A fresh router that has heard only from the target lists the model with draft_model
+    null (it answered 500: the draft's info was None)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdec.config import SpecdecConfig
+    from specdec.deployments.http_api import OpenAIRoutes
+    from specdec.v1 import worker_pb2
+
+    target = worker_pb2.ReplicaInfo(name="/models/target", vocab_size=32, context_limit=256)
+
+    async def model_info():
+        return None, target
+
+    router = SimpleNamespace(_model_info=model_info, config=SpecdecConfig())
+    response = asyncio.run(OpenAIRoutes.list_models(router))
+    (model,) = json.loads(response.body)["data"]
+    assert response.status_code == 200
+    assert (model["id"], model["draft_model"], model["max_model_len"]) == (
+        "/models/target",
+        None,
+        256,
+    )

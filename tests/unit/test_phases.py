@@ -118,6 +118,30 @@ def test_a_call_past_max_wait_runs_anyway():
     asyncio.run(scenario())
 
 
+def test_a_stuck_phase_is_taken_once_not_waited_for_every_call():
+    # A draft call stuck on a lost pool: the first verify waits max_wait_s and takes the phase;
+    # the verifies after it (the next rounds) enter at once, though the stuck call runs on.
+    async def scenario():
+        calls = _Calls(PhaseGate(max_wait_s=0.05))
+        stuck = calls.start("stuck", "draft")
+        await _settle()
+        first = calls.start("t1", "target")
+        await asyncio.sleep(0.2)
+        assert calls.entered == ["stuck", "t1"] and calls.gate.phase == "target"
+        calls.release("t1")
+        await first
+        second = calls.start("t2", "target")
+        await _settle()
+        assert calls.entered[-1] == "t2"  # no second wait of max_wait_s
+        calls.release("t2")
+        await second
+        calls.release("stuck")
+        await stuck
+        assert calls.gate.phase is None
+
+    asyncio.run(scenario())
+
+
 def test_cancelled_calls_leave_no_state_behind():
     async def scenario():
         calls = _Calls(PhaseGate())
@@ -175,8 +199,8 @@ class _Overlaps:
     async def verify(self, request):
         return await self._timed("target", self.inner.verify, request)
 
-    async def release(self, session_id):
-        await self.inner.release(session_id)
+    async def release(self, session_id, sides=("draft", "target")):
+        await self.inner.release(session_id, sides)
 
 
 @pytest.mark.parametrize("gated", [False, True])
