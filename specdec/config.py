@@ -328,6 +328,11 @@ class SpeculationConfig(_Section):
     Turn it on only where any request may see text from any other: a proposal that the target
     accepts is text another request generated."""
 
+    mixed_rounds: bool = True
+    """Under `proposer: auto`, whether a round that calls the draft model may also verify an
+    n-gram tail after the draft's tokens in the same forward, where its price says it pays
+    (docs/engine.md, "Mixed rounds")."""
+
     def _check(self) -> None:
         _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
         _at_least("draft_top_n", self.draft_top_n, 0)

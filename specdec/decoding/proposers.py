@@ -141,7 +141,8 @@ class ProposerChoice:
         proposal at its measured acceptance (its own estimator per matched n, as for a whole
         n-gram round). Under load verify(k + t) prices t more rows for every session of the
         batch, an overestimate that only makes tails rarer. NONE for t = 0, and always outside
-        ``auto``, under a fixed k (it drafts exactly k), and before the costs are known.
+        ``auto``, under a fixed k (it drafts exactly k), before the costs are known, and with
+        SpeculationConfig.mixed_rounds off.
 
         Args:
             drafts: the draft model's k tokens of this round.
@@ -152,6 +153,8 @@ class ProposerChoice:
         controller, costs, k = self._controller, self.costs, len(drafts)
         room = self._cap(limit) - k
         if self.proposer != AUTO or controller.fixed_k is not None or not k or room <= 0:
+            return none
+        if not controller.config.mixed_rounds:
             return none
         if not costs.ready:
             return none

@@ -104,9 +104,11 @@ def test_a_bound_below_one_token_is_refused():
 # --- the choice --------------------------------------------------------------------------------
 
 
-def _costs(verify_s, step_s=0.05, k_max=8):
+def _costs(verify_s, step_s=0.05, k_max=8, mixed_rounds=True):
     """A CostModel whose verify of k tokens took verify_s(k) and draft step step_s (measured)."""
-    config = SpeculationConfig(max_speculative_tokens=k_max, dynamic_draft_length=False)
+    config = SpeculationConfig(
+        max_speculative_tokens=k_max, dynamic_draft_length=False, mixed_rounds=mixed_rounds
+    )
     costs = CostModel(config, CostPrior([verify_s(k) for k in range(k_max + 1)], step_s))
     for k in range(k_max + 1):
         for _ in range(10):
@@ -120,10 +122,12 @@ def _costs(verify_s, step_s=0.05, k_max=8):
     return costs, config
 
 
-def _choice(proposer, tokens, draft_rate=0.8, ngram_rate=0.8, fixed_k=None, verify=None):
+def _choice(
+    proposer, tokens, draft_rate=0.8, ngram_rate=0.8, fixed_k=None, verify=None, mixed_rounds=True
+):
     """A request's ProposerChoice over ``tokens``, its draft's and its 2-gram matches'
     acceptance rates estimated at draft_rate and ngram_rate."""
-    costs, config = _costs(verify or (lambda k: 0.1))
+    costs, config = _costs(verify or (lambda k: 0.1), mixed_rounds=mixed_rounds)
     controller = KController(costs, config, fixed_k=fixed_k)
     controller.acceptance = AcceptanceEstimator(draft_rate)
     costs.traffic.pooled_ngram_acceptance = _Pooled(ngram_rate)
@@ -227,6 +231,11 @@ def test_a_tail_that_costs_nothing_follows_likely_drafts():
 @pytest.mark.parametrize("proposer, fixed_k", [("draft", None), ("ngram", None), ("auto", 2)])
 def test_only_an_adaptive_auto_round_takes_a_tail(proposer, fixed_k):
     choice = _choice(proposer, REPEATING, fixed_k=fixed_k)
+    assert choice.tail([3, 4], [0.9, 0.9], limit=100).source == NONE
+
+
+def test_mixed_rounds_off_takes_no_tail():
+    choice = _choice("auto", REPEATING, mixed_rounds=False)
     assert choice.tail([3, 4], [0.9, 0.9], limit=100).source == NONE
 
 
