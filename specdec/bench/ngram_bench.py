@@ -11,7 +11,9 @@ bundled target's tokenizer, rendered with its chat template), each round committ
 part of its proposal plus one token, and prints per-round percentiles (microseconds) of:
 
 - ``lookup``: the n-gram proposal and the commit alone;
-- ``choice``: the whole per-round choice (KController's k pricing included) and the commit.
+- ``choice``: the whole per-round choice (KController's k pricing included; in a round that
+  drafts, the pricing of lookup's tail after the draft's tokens, ProposerChoice.tail, on tokens
+  standing in for the draft's) and the commit.
 
 The shared index (``--shared-bytes``) starts full. It also prints the one-off cost of indexing
 a prompt. The header names the CPU. A benchmark,
@@ -31,7 +33,7 @@ from specdec.config import SpeculationConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.k_policy import KController
 from specdec.decoding.ngram import RequestNgrams, shared_ngrams
-from specdec.decoding.proposers import NGRAM, ProposerChoice
+from specdec.decoding.proposers import DRAFT, NGRAM, ProposerChoice
 from specdec.decoding.request import encode_prompt
 from specdec.device.hardware import describe_device
 from specdec.models.loading import load_tokenizer
@@ -100,8 +102,12 @@ def run(args: argparse.Namespace) -> dict:
         requests.append((ngrams, chooser, prompt))
     for _ in range(args.rounds):
         for ngrams, chooser, prompt in requests:
+            drafts = [rng.choice(prompt) for _ in range(config.max_speculative_tokens)]
             start = time.perf_counter()
             proposal = chooser.choose(1000, 0, True, True)
+            if proposal.source == DRAFT:  # a mixed round: lookup's tail after the draft's k
+                k = proposal.plan.k
+                chooser.tail(drafts[:k], [0.9] * k, 1000)
             chosen = time.perf_counter()
             tokens, _ = ngrams.propose(config.max_speculative_tokens)
             proposed = time.perf_counter()
