@@ -5,9 +5,10 @@ request's text reaches another's proposals."""
 from __future__ import annotations
 
 import pytest
-from forced_rounds import unpriced_tail
+from forced_rounds import confidence_stop_choose, unpriced_tail
 
 from specdec import SamplingParams, SpeculativeEngine
+from specdec.decoding.k_policy import KController
 from specdec.decoding.proposers import ProposerChoice
 from specdec.models.tiny import PROMPTS
 
@@ -61,8 +62,10 @@ def test_a_fixed_k_bounds_the_ngram_proposal(engine, target_only, k):
 def test_mixed_rounds_keep_greedy_output_equal_to_the_target_alone(
     engine, target_only, monkeypatch
 ):
-    """Every drafting round verifies up to 3 lookup tokens after the draft's (forced: the real
-    tail is priced): the draft's cache then lags by the accepted tail, and catches up."""
+    """Every round drafts 2 tokens and verifies up to 3 lookup tokens after them (both forced:
+    the real plan and tail are priced, and the shared engine's costs by then may price either
+    out): the draft's cache then lags by the accepted tail, and catches up."""
+    monkeypatch.setattr(KController, "choose", confidence_stop_choose(k=2, floor=0.0))
     monkeypatch.setattr(ProposerChoice, "tail", unpriced_tail(3))
     stats = []
     for prompt in REPEATING:
