@@ -106,7 +106,7 @@ class HandleTransport:
         must not hold a request that is done: with the draft pool gone, Serve queues the call
         until a draft replica exists, and every request then ended call_timeout_s late (120 s
         as shipped on the local cluster). A draft replica that never receives it frees the
-        session once it idles `cache_idle_s`)."""
+        session once it idles `cache_idle_s`."""
         request = worker_pb2.ReleaseRequest(session_id=session_id)
         # Serve cancels the handle calls a request has in flight when that request is cancelled,
         # and a request can end before its release is answered (a closed HTTP stream: starlette
@@ -114,15 +114,15 @@ class HandleTransport:
         # Made from a fresh context, the release calls are no child of the request: they always
         # reach the replicas, and a session's cache never outlives its request.
         if "draft" in sides:
-            _keep(
-                contextvars.Context().run(
-                    asyncio.ensure_future, self._release(self._draft, request)
-                )
-            )
+            _keep(self._detached_release(self._draft, request))
         if "target" in sides:
-            await contextvars.Context().run(
-                asyncio.ensure_future, self._release(self._target, request)
-            )
+            await self._detached_release(self._target, request)
+
+    def _detached_release(
+        self, handle: DeploymentHandle, request: worker_pb2.ReleaseRequest
+    ) -> asyncio.Future:
+        """_release as a task started from a fresh context (no child of the request)."""
+        return contextvars.Context().run(asyncio.ensure_future, self._release(handle, request))
 
     async def _release(self, handle: DeploymentHandle, request: worker_pb2.ReleaseRequest) -> None:
         try:

@@ -152,9 +152,8 @@ class ProposerChoice:
         none = Proposal(NONE, RoundPlan(0))
         controller, costs, k = self._controller, self.costs, len(drafts)
         room = self._cap(limit) - k
-        if self.proposer != AUTO or controller.fixed_k is not None or not k or room <= 0:
-            return none
-        if not controller.config.mixed_rounds:
+        adaptive_auto = self.proposer == AUTO and controller.fixed_k is None
+        if not (adaptive_auto and controller.config.mixed_rounds and k and room > 0):
             return none
         if not costs.ready:
             return none
