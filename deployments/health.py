@@ -1,21 +1,32 @@
 """Readiness as the router sees it, for gRPC health (grpc.health.v1) and HTTP /ready.
 
-The router is ready once a target replica has answered ``model_info``: a target replica is
-running and the router knows the limits it validates requests against. The draft is not needed
-for readiness: while no draft replica answers, the service is degraded (requests run on the
-target alone, specdec.decoding.degrade) but the router still serves. Nothing here imports Ray,
-so the decision is unit-tested with fake fetchers.
+The router is ready while a target replica is running and once one has answered
+``model_info`` (the router then knows the limits it validates requests against). The running
+replicas are counted from Serve's controller (ReplicaCounts), so readiness turns NOT_SERVING when
+the last target replica is gone, not only before the first one answered. The draft is not needed
+for readiness: while no draft replica runs, the service is degraded (requests run on the target
+alone, specdec.decoding.degrade) but the router still serves.
+
+A probe never waits on the requests in flight: the counts are refreshed in a worker thread and
+answered from the last refresh, and nothing on the router's event loop grows with the length of
+a completion (specdec.decoding.stopping detokenizes incrementally). Nothing here imports Ray, so
+the decision is unit-tested with fake fetchers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from specdec.v1 import worker_pb2
 
 T = TypeVar("T")
+log = logging.getLogger("ray.serve")
 
 # A readiness probe waits this long for the target's first answer: long enough for a running
 # replica (model_info is answered on its event loop, beside any forward pass), short enough for
@@ -27,6 +38,9 @@ WATCH_POLL_S = 1.0
 # ongoing request, and a router replica being scaled down or updated waits for its ongoing
 # requests for up to graceful_shutdown_timeout_s (300 s), so endless streams would hold it.
 WATCH_MAX_S = 60.0
+# Replica counts older than this are refreshed (in the background) when a probe asks: Serve's
+# status is one controller call and a parse of every application's details, so not per probe.
+COUNTS_MAX_AGE_S = 1.0
 
 
 class ModelInfoCache:
@@ -97,17 +111,72 @@ async def _awaited(fetch: Callable[[], Awaitable[T]]) -> T:
     return await fetch()
 
 
-async def readiness(info: ModelInfoCache, probe_s: float = PROBE_S) -> tuple[bool, str]:
-    """(ready, reason): ready once the target's model_info is known; the draft's is fetched on
+class ReplicaCounts:
+    """RUNNING replicas per side, as Serve's controller reports them, refreshed on demand.
+
+    ``get`` answers from the last refresh and starts a new one (in a worker thread: the count
+    is a blocking controller call) once that refresh is older than max_age_s; only the very
+    first answer is waited for. A refresh that fails keeps the last counts (a controller that
+    cannot be reached does not stop the replicas from serving).
+
+    Args:
+        count: blocking callable returning {side ("draft" / "target"): RUNNING replicas}.
+        max_age_s: seconds a refresh is answered from before the next one starts.
+        clock: seconds, monotonic (tests inject one).
+    """
+
+    def __init__(
+        self,
+        count: Callable[[], Mapping[str, int]],
+        max_age_s: float = COUNTS_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._count, self._max_age_s, self._clock = count, max_age_s, clock
+        self._counts: Mapping[str, int] | None = None
+        self._at = -math.inf
+        self._pending: asyncio.Future | None = None
+
+    async def get(self, wait_s: float) -> Mapping[str, int] | None:
+        """The last counts, or None while none has arrived within wait_s seconds; never
+        raises."""
+        if self._clock() - self._at > self._max_age_s and (
+            self._pending is None or self._pending.done()
+        ):
+            self._pending = asyncio.ensure_future(self._refresh())
+        if self._counts is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._pending), wait_s)
+        return self._counts
+
+    async def _refresh(self) -> None:
+        try:
+            self._counts = await asyncio.to_thread(self._count)
+            self._at = self._clock()
+        except Exception:  # noqa: BLE001 - keep the last counts, try again at the next probe
+            log.warning("counting the running replicas failed", exc_info=True)
+
+
+async def readiness(
+    info: ModelInfoCache, replicas: ReplicaCounts | None = None, probe_s: float = PROBE_S
+) -> tuple[bool, str]:
+    """(ready, reason): ready while a target replica is running (per ``replicas``; unknown
+    counts do not block) and once the target's model_info is known; the draft's is fetched on
     the side and only changes the reason.
 
-    Waits at most probe_s seconds (for the target's first answer) and never raises.
+    Waits at most probe_s seconds (for the target's first answer, and the first counts) and
+    never raises.
     """
     info.prefetch("draft")
+    counts = await replicas.get(probe_s) if replicas is not None else None
+    counts = counts or {}
+    if counts.get("target") == 0:
+        return False, "not ready: no target replica is running"
     try:
         await info.get("target", probe_s)
     except Exception as err:  # noqa: BLE001 - any failure means "not ready yet"
         return False, f"not ready: no target replica has answered yet ({type(err).__name__})"
+    if counts.get("draft") == 0:
+        return True, "ready, degraded: no draft replica is running"
     if info.known("draft") is None:
         return True, "ready, degraded: no draft replica has answered yet"
     return True, "ready"

@@ -230,6 +230,9 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             {"draft": self.draft.model_info.remote, "target": self.target.model_info.remote},
             config.service.unavailable_after_s,
         )
+        self._replicas = health.ReplicaCounts(
+            lambda: _running_replicas({"draft": self.draft, "target": self.target})
+        )
 
     async def Generate(
         self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext
@@ -295,9 +298,9 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         return info
 
     async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1: NOT_SERVING until a target replica has answered model_info, SERVING
-        afterwards, also while the draft is down (see readiness). Waits at most
-        health.PROBE_S seconds."""
+        """grpc.health.v1: SERVING while a target replica runs once one has answered
+        model_info, also while the draft is down; NOT_SERVING otherwise (see readiness). Waits
+        at most health.PROBE_S seconds."""
         return health_pb2.HealthCheckResponse(status=await self._health_status())
 
     async def Watch(
@@ -310,10 +313,10 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             yield health_pb2.HealthCheckResponse(status=status)
 
     async def readiness(self) -> tuple[bool, str]:
-        """(ready, reason) for HTTP /ready and gRPC health: ready once a target replica has
-        answered model_info; the draft only changes the reason ("degraded"). Waits at most
-        health.PROBE_S seconds; never raises."""
-        return await health.readiness(self._info)
+        """(ready, reason) for HTTP /ready and gRPC health: ready while a target replica runs,
+        once one has answered model_info; the draft only changes the reason ("degraded"). Waits
+        at most health.PROBE_S seconds; never raises."""
+        return await health.readiness(self._info, self._replicas)
 
     async def _health_status(self) -> int:
         ready, _ = await self.readiness()
@@ -445,3 +448,16 @@ def _response(completion: Completion, logprobs: bool) -> specdec_pb2.GenerateRes
     )
     _add_summary(message, completion)
     return message
+
+
+def _running_replicas(handles: dict[str, DeploymentHandle]) -> dict[str, int]:
+    """{side: RUNNING replicas of the deployment behind its handle}, from Serve's status (a
+    blocking call to the controller). Raises KeyError while an application or deployment is
+    not in the status yet."""
+    applications = serve.status().applications
+    return {
+        side: applications[h.app_name]
+        .deployments[h.deployment_name]
+        .replica_states.get("RUNNING", 0)
+        for side, h in handles.items()
+    }

@@ -1,4 +1,4 @@
-"""Microseconds of router work per round for draft-free proposals, at N requests in flight.
+"""Microseconds of router work per round for proposals and stop rules, at N requests in flight.
 
     python -m specdec.bench.ngram_bench                          # 64 requests, Spec-Bench
     python -m specdec.bench.ngram_bench --requests 64 --shared-bytes 67108864
@@ -13,7 +13,10 @@ part of its proposal plus one token, and prints per-round percentiles (microseco
 - ``lookup``: the n-gram proposal and the commit alone;
 - ``choice``: the whole per-round choice (KController's k pricing included; in a round that
   drafts, the pricing of lookup's tail after the draft's tokens, ProposerChoice.tail, on tokens
-  standing in for the draft's) and the commit.
+  standing in for the draft's) and the commit;
+- ``detokenize``: the stop rules and the streamed text of the round's committed tokens
+  (StopChecker.append with one stop string), which must not grow with the completion's length
+  (run with ``--rounds 1024`` to see it stay flat).
 
 The shared index (``--shared-bytes``) starts full. It also prints the one-off cost of indexing
 a prompt. The header names the CPU. A benchmark,
@@ -35,6 +38,7 @@ from specdec.decoding.k_policy import KController
 from specdec.decoding.ngram import RequestNgrams, shared_ngrams
 from specdec.decoding.proposers import DRAFT, NGRAM, ProposerChoice
 from specdec.decoding.request import encode_prompt
+from specdec.decoding.stopping import StopChecker
 from specdec.device.hardware import describe_device
 from specdec.models.loading import load_tokenizer
 from specdec.tools.args import run_standalone
@@ -92,16 +96,17 @@ def run(args: argparse.Namespace) -> dict:
             written += len(prompt)
     costs = CostModel(config, CostPrior([0.25] * 9, 0.04))
     rng = random.Random(0)
-    indexing, lookup, choice = [], [], []
+    indexing, lookup, choice, detokenize = [], [], [], []
     requests = []
     for prompt in prompts:
         start = time.perf_counter()
         ngrams = RequestNgrams(prompt, config.ngram_min_n, config.ngram_max_n, shared)
         indexing.append(time.perf_counter() - start)
         chooser = ProposerChoice("auto", KController(costs, config), ngrams)
-        requests.append((ngrams, chooser, prompt))
+        stops = StopChecker(tokenizer, 1 << 30, (), ["\x00never-seen"])
+        requests.append((ngrams, chooser, stops, prompt))
     for _ in range(args.rounds):
-        for ngrams, chooser, prompt in requests:
+        for ngrams, chooser, stops, prompt in requests:
             drafts = [rng.choice(prompt) for _ in range(config.max_speculative_tokens)]
             start = time.perf_counter()
             proposal = chooser.choose(1000, 0, True, True)
@@ -120,7 +125,10 @@ def run(args: argparse.Namespace) -> dict:
             committed = time.perf_counter() - proposed
             choice.append(chosen - start + committed)
             lookup.append(proposed - chosen + committed)
-    for ngrams, _, _ in requests:
+            start = time.perf_counter()
+            stops.append(kept, [0.0] * len(kept))
+            detokenize.append(time.perf_counter() - start)
+    for ngrams, *_ in requests:
         ngrams.finish()
     figures = {
         "device": describe_device("cpu"),
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
         "index_prompt_ms_mean": statistics.fmean(indexing) * 1e3,
         "lookup": _percentiles(lookup),
         "choice": _percentiles(choice),
+        "detokenize": _percentiles(detokenize),
     }
     print(json.dumps(figures, indent=2))
     return figures

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidRequestError
@@ -33,8 +34,17 @@ class Delta:
 class StopChecker:
     """Accumulates the completion and applies the stop rules block by block.
 
+    Detokenizes incrementally (tokenizers' DecodeStream: each token re-decodes only a few
+    tokens before it), so a round costs O(block) however long the completion is; decoding the
+    whole completion every round made a long stream's rounds O(n) each and its life O(n^2).
+    The text grows only by characters that can no longer change: a token that ends inside a
+    UTF-8 sequence adds nothing until the token that completes it. The text equals
+    ``tokenizer.decode(token_ids)`` (special tokens skipped, no clean-up) at every step but
+    for such an unfinished tail, which the finished text includes (as U+FFFD).
+
     Args:
-        tokenizer: detokenizes the completion (special tokens skipped).
+        tokenizer: a fast tokenizer (one with a ``backend_tokenizer``); detokenizes the
+            completion with special tokens skipped.
         max_new_tokens: completion tokens allowed, already capped by the context limit; reaching
             it ends with ``finish_reason="length"``.
         stop_token_ids: EOS ids and the request's stop token ids.
@@ -45,6 +55,7 @@ class StopChecker:
     Raises:
         InvalidRequestError("stop"): a stop string that holds a special token's text beside
             other text (it could never match the decoded text).
+        TypeError: the tokenizer has no fast (tokenizers) backend.
     """
 
     def __init__(
@@ -55,6 +66,10 @@ class StopChecker:
         stop: Sequence[str] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self._backend is None:
+            raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer")
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.max_new_tokens = max_new_tokens
         specials = special_token_ids(tokenizer)
         self._stop_ids = frozenset(stop_token_ids) | {specials[s] for s in stop if s in specials}
@@ -73,7 +88,10 @@ class StopChecker:
         self.finish_reason: str | None = None
         self.text = ""
         self._streamed = 0  # characters of text already handed out
-        self._text_tokens = 0  # leading tokens of token_ids that make up the text
+        # len(text) once each leading token of token_ids was decoded; len(_ends) tokens make up
+        # the text (a stop token is kept in token_ids but left out of the text).
+        self._ends: list[int] = []
+        self._unfinished = False  # the last decoded token left an incomplete character
 
     @property
     def remaining(self) -> int:
@@ -91,58 +109,65 @@ class StopChecker:
         start = len(self.token_ids)
         self.token_ids.extend(block)
         self.logprobs.extend(logprobs[: len(block)])
-        self._text_tokens = len(self.token_ids) - (stop_at is not None)
-        full_text = self._decode(self._text_tokens)
-        if self._stop:
-            cut = self._find_stop(full_text, start)
-            if cut is not None:
-                full_text, stop_at = cut
+        self._decode(block[: len(block) - (stop_at is not None)])
+        cut = self._find_stop(start) if self._stop else None
+        if cut is not None:
+            stop_at = cut
         if stop_at is not None:
             self.finish_reason = STOP
         elif self.remaining == 0:
             self.finish_reason = LENGTH
-        self.text = full_text
+        if self.finish_reason is not None and cut is None and self._unfinished:
+            self.text = self._tokenizer.decode(
+                self.token_ids[: len(self._ends)],
+                skip_special_tokens=True,
+                clean_up_tokenization_spaces=False,
+            )
         return Delta(
             self.token_ids[start:], self.logprobs[start:], self._take_text(), self.finish_reason
         )
 
-    def _find_stop(self, text: str, block_start: int) -> tuple[str, int] | None:
-        """Earliest stop string completed in this block: (text before it, its last token index)."""
-        search_from = max(0, len(self._decode(block_start)) - self._holdback)
-        hits = [(i, s) for s in self._stop if (i := text.find(s, search_from)) >= 0]
+    def _decode(self, token_ids: list[int]) -> None:
+        """Extends the text by token_ids, recording its length after each."""
+        chunks = []
+        length = len(self.text)
+        for token_id in token_ids:
+            chunk = self._stream.step(self._backend, token_id)
+            self._unfinished = chunk is None
+            if chunk:
+                chunks.append(chunk)
+                length += len(chunk)
+            self._ends.append(length)
+        self.text += "".join(chunks)
+
+    def _find_stop(self, block_start: int) -> int | None:
+        """Trims the completion at the earliest stop string completed in this block; returns
+        the index of the token that completed it, or None."""
+        before = self._ends[block_start - 1] if block_start else 0
+        search_from = max(0, before - self._holdback)
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return None
         index, stop = min(hits)
         end = index + len(stop)
         # The shortest prefix of the completion whose text contains the whole stop string.
-        last = next(
-            n for n in range(block_start + 1, self._text_tokens + 1) if len(self._decode(n)) >= end
-        )
+        last = next(n for n in range(block_start, len(self._ends)) if self._ends[n] >= end) + 1
         del self.token_ids[last:]
         del self.logprobs[last:]
-        self._text_tokens = last
-        return text[:index], last - 1
+        del self._ends[last:]
+        self.text = self.text[:index]
+        return last - 1
 
     def _take_text(self) -> str:
-        """New text that can no longer change: held back are a possible stop-string prefix and an
-        incomplete UTF-8 sequence (decoded as U+FFFD until its last byte arrives)."""
+        """New text that can no longer change: held back is a possible stop-string prefix."""
         safe = len(self.text)
         if self.finish_reason is None:
             safe -= self._holdback
-            while safe > 0 and self.text[safe - 1] == "\ufffd":
-                safe -= 1
         if safe <= self._streamed:
             return ""
         delta = self.text[self._streamed : safe]
         self._streamed = safe
         return delta
-
-    def _decode(self, num_tokens: int) -> str:
-        return self._tokenizer.decode(
-            self.token_ids[:num_tokens],
-            skip_special_tokens=True,
-            clean_up_tokenization_spaces=False,
-        )
 
 
 def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:

@@ -205,7 +205,7 @@ def test_health_watch_streams_until_the_client_cancels(client):
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _http_get(path):
+def _http_get(path, timeout_s=10.0):
     """(status, JSON body) of GET path on Serve's HTTP proxy, under the application's prefix."""
     from ray import serve
     from ray.serve.schema import ServeInstanceDetails
@@ -214,7 +214,7 @@ def _http_get(path):
     prefix = details.applications[APP].route_prefix.rstrip("/")
     url = f"http://127.0.0.1:{details.http_options.port}{prefix}{path}"
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -391,6 +391,59 @@ def test_prometheus_metrics_are_exported(client):
     assert 'proposer="draft"' in text  # k = 2 requests: the draft model proposed
 
 
+def _probe_until(done, check, period_s=0.25):
+    """[(seconds, answer)] of check() called every period_s seconds until done() holds; a
+    probe that raises is recorded with its exception as the answer."""
+    probes = []
+    while not done():
+        start = time.monotonic()
+        try:
+            answer = check()
+        except Exception as err:  # noqa: BLE001 - recorded, the test asserts on it
+            answer = err
+        probes.append((time.monotonic() - start, answer))
+        time.sleep(period_s)
+    return probes
+
+
+def test_readiness_answers_within_a_second_under_64_long_streams(client, reference):
+    """64 greedy streams of 200 tokens each in flight: gRPC health Check, with a kubelet-like
+    1 s deadline, answers SERVING every time, and so does HTTP /ready; every stream still ends
+    with the target-only tokens."""
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    n, streams = 200, 64
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+    running = []
+
+    def stream(prompt):
+        messages = client.generate_stream(
+            build_request(prompt, max_new_tokens=n, num_speculative_tokens=2)
+        )
+        running.append(1)
+        return [t for m in messages for t in m.token_ids]
+
+    def check():
+        status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+        return status, _http_get("/ready", 1.0)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        outputs = [pool.submit(stream, p) for p in prompts]
+        _wait_until(lambda: len(running) == streams, timeout_s=60)
+        done = lambda: sum(f.done() for f in outputs) > streams // 2  # noqa: E731
+        probes = _probe_until(done, check)
+        tokens = [f.result() for f in outputs]
+    for prompt, got in zip(prompts, tokens):
+        assert got == reference(prompt, n)
+    seconds = sorted(s for s, _ in probes)
+    print(
+        f"Check + /ready under {streams} streams: {len(probes)} probes, p50 "
+        f"{seconds[len(seconds) // 2]:.3f} s, max {seconds[-1]:.3f} s"
+    )
+    assert len(probes) >= 4, "the streams ended before readiness was probed under load"
+    serving = (health_pb2.HealthCheckResponse.SERVING, 200)
+    assert [a for _, a in probes] == [serving] * len(probes), probes
+
+
 def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):
     """The target-pool node dies (its `ray start` process, which this test session started)
     while four streams are in flight: no node can host a target replica any more. In-flight
@@ -424,3 +477,12 @@ def test_no_target_replica_left_is_unavailable_not_a_hang(client, served):
     after = outcome(client.generate_stream(build_request(PROMPTS[0], max_new_tokens=8)))
     assert after[0] == grpc.StatusCode.UNAVAILABLE, after
     assert time.monotonic() - start < 90
+    # Readiness tells the truth: with no target replica running, Check and /ready turn it away.
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    _wait_until(
+        lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status == not_serving,
+        timeout_s=60,
+    )
+    status, body = _http_get("/ready")
+    assert status == 503 and "no target replica is running" in body["reason"], body

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specdec.deployments.health import ModelInfoCache, readiness, watch
+from specdec.deployments.health import ModelInfoCache, ReplicaCounts, readiness, watch
 from specdec.v1 import worker_pb2
 
 TARGET = worker_pb2.ReplicaInfo(name="target", context_limit=256)
@@ -40,8 +40,91 @@ def test_not_ready_until_the_target_answers_then_ready():
         assert not ready and "target" in reason
         target.up = True
         assert await readiness(cache, probe_s=0.2) == (True, "ready")
-        target.up = False  # the info is kept: a known target stays ready
+        target.up = False  # the info is kept: a known target stays ready (no counts given)
         assert (await readiness(cache, probe_s=0.2))[0]
+
+    asyncio.run(main())
+
+
+class FakeController:
+    """Serve's running-replica counts: `counts` (or raises `error`), counting the calls."""
+
+    def __init__(self, **counts: int) -> None:
+        self.counts, self.error, self.calls = dict(counts), None, 0
+
+    def __call__(self) -> dict[str, int]:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return dict(self.counts)
+
+
+def test_readiness_follows_the_running_target_replicas_and_degrades_without_drafts():
+    """A target that answered once is not enough: with no target replica running the router
+    is not ready; with no draft replica running it is ready but degraded."""
+
+    async def main():
+        cache = _cache(FakeDeployment(DRAFT), FakeDeployment(TARGET))
+        controller = FakeController(draft=1, target=1)
+        clock = [0.0]
+        replicas = ReplicaCounts(controller, max_age_s=1.0, clock=lambda: clock[0])
+        assert await readiness(cache, replicas, probe_s=0.5) == (True, "ready")
+        controller.counts["target"] = 0
+        clock[0] += 2.0  # the counts are stale: this probe starts a refresh ...
+        await readiness(cache, replicas, probe_s=0.5)
+        await asyncio.sleep(0.1)  # ... which the next one reads
+        assert await readiness(cache, replicas, probe_s=0.5) == (
+            False,
+            "not ready: no target replica is running",
+        )
+        controller.counts.update(target=2, draft=0)
+        clock[0] += 2.0
+        await readiness(cache, replicas, probe_s=0.5)
+        await asyncio.sleep(0.1)
+        assert await readiness(cache, replicas, probe_s=0.5) == (
+            True,
+            "ready, degraded: no draft replica is running",
+        )
+
+    asyncio.run(main())
+
+
+def test_replica_counts_refresh_at_most_every_max_age_and_keep_the_last_on_failure():
+    async def main():
+        controller = FakeController(draft=1, target=1)
+        clock = [0.0]
+        replicas = ReplicaCounts(controller, max_age_s=1.0, clock=lambda: clock[0])
+        assert await replicas.get(0.5) == {"draft": 1, "target": 1}
+        for _ in range(5):  # fresh: answered from the last refresh, no new controller call
+            await replicas.get(0.5)
+        assert controller.calls == 1
+        controller.error = ConnectionError("controller gone")
+        clock[0] += 2.0
+        assert await replicas.get(0.5) == {"draft": 1, "target": 1}
+        await asyncio.sleep(0.1)
+        assert controller.calls == 2
+        assert await replicas.get(0.5) == {"draft": 1, "target": 1}  # the failure kept them
+
+    asyncio.run(main())
+
+
+def test_the_first_counts_are_waited_for_at_most_wait_s():
+    """A controller that does not answer leaves the counts unknown (None), not a hung probe."""
+
+    async def main():
+        import threading
+
+        release = threading.Event()
+
+        def slow():
+            release.wait(5)
+            return {"target": 1}
+
+        replicas = ReplicaCounts(slow)
+        assert await replicas.get(0.2) is None  # returned while the count was still blocked
+        release.set()
+        await asyncio.sleep(0.1)
+        assert await replicas.get(0.2) == {"target": 1}
 
     asyncio.run(main())
 

@@ -90,3 +90,82 @@ def test_append_after_finish_is_an_error(tokenizer):
     checker.append([5], [0.0])
     with pytest.raises(RuntimeError):
         checker.append([5], [0.0])
+
+
+def _final_prefix_text(tokenizer, ids, n):
+    """The text of ids[:n] whose characters are final: the decode of the longest prefix
+    ids[:j], j <= n, that does not end inside a character (decoded as U+FFFD)."""
+    for j in range(n, -1, -1):
+        text = tokenizer.decode(ids[:j], skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            return text
+    return ""
+
+
+def _token_by_token(tokenizer, ids, stop, stop_ids, max_new):
+    """(token_ids, text, finish_reason) decoding one token at a time with full decodes: the
+    reference the block-wise, incremental StopChecker must equal."""
+    for n in range(1, min(len(ids), max_new) + 1):
+        if ids[n - 1] in stop_ids:
+            return ids[:n], tokenizer.decode(ids[: n - 1], skip_special_tokens=True), STOP
+        text = _final_prefix_text(tokenizer, ids, n)
+        hits = [i for s in stop if (i := text.find(s)) >= 0]
+        if hits:
+            return ids[:n], text[: min(hits)], STOP
+    n = min(len(ids), max_new)
+    return (
+        ids[:n],
+        tokenizer.decode(ids[:n], skip_special_tokens=True),
+        (LENGTH if n == max_new else None),
+    )
+
+
+def _tokenizers():
+    from specdec.errors import ModelLoadError
+    from specdec.models.loading import load_tokenizer
+
+    found = [("tiny", build_tokenizer())]
+    try:
+        found.append(("bundled", load_tokenizer("bundled:target")))
+    except ModelLoadError:
+        print("the bundled pair is not on this machine: the tiny tokenizer alone")
+    return found
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_blockwise_incremental_text_equals_token_by_token_full_decodes(seed):
+    """Random completions (mixed scripts, byte-split characters, random token ids), random
+    blocks, stop strings taken from the text, stop ids and max_new_tokens: the checker keeps the
+    same tokens, text and finish reason as decoding token by token with full decodes, and its
+    streamed deltas concatenate to its text."""
+    import random
+
+    rng = random.Random(seed)
+    texts = ["naïve café, 世界 🙂 — done.", "def f(x):\n    return x ** 2  # über", TEXT]
+    for name, tokenizer in _tokenizers():
+        for case in range(40):
+            if case % 2:
+                ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+            else:
+                ids = tokenizer.encode(rng.choice(texts))
+            full = tokenizer.decode(ids, skip_special_tokens=True)
+            stop = []
+            if full and rng.random() < 0.7:
+                at = rng.randrange(len(full))
+                stop.append(full[at : at + rng.randint(1, 4)].replace("\ufffd", "") or "x")
+            stop_ids = {rng.choice(ids)} if rng.random() < 0.3 else {-1}
+            max_new = rng.randint(1, len(ids) + 2)
+            checker = StopChecker(tokenizer, max_new, stop_ids, stop)
+            streamed, i = "", 0
+            while checker.finish_reason is None and i < len(ids):
+                size = rng.randint(1, 5)
+                streamed += checker.append(ids[i : i + size], [0.0] * size).text
+                i += size
+            expected = _token_by_token(tokenizer, ids, stop, stop_ids, max_new)
+            got = (checker.token_ids, checker.text, checker.finish_reason)
+            context = (name, ids, stop, stop_ids, max_new)
+            if expected[2] is None:  # the completion ran out before any stop: text so far
+                assert got[0] == expected[0] and expected[1].startswith(got[1]), context
+                continue
+            assert got == expected, context
+            assert streamed == checker.text, context
