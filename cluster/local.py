@@ -27,6 +27,7 @@ from typing import Any
 from specdec.cluster.processes import (
     NODE_IP,
     cluster_pids,
+    ensure_local_token,
     free_ports,
     owned,
     pid_alive,
@@ -160,8 +161,9 @@ def up(
             share that GPU by fractional ``num_gpus``.
         wait_s: seconds to wait for all nodes to be alive with their resources.
 
-    Every node listens on 127.0.0.1 only (see ``processes.ray_start_main``); token auth is on
-    when the caller has a Ray auth token (``processes.auth_mode``). This process is prepared to
+    Every node listens on 127.0.0.1 only (see ``processes.ray_start_main``), and token auth is
+    always on: with the caller's Ray auth token, else with the local one, created on first use
+    (``processes.ensure_local_token``, ``processes.auth_env``). This process is prepared to
     connect to the cluster as a driver (``prepare_driver``); another process calls
     ``prepare_driver`` itself before ``ray.init(address=...)``.
 
@@ -176,6 +178,7 @@ def up(
     sd = state_dir_path(state_dir)
     sd.mkdir(parents=True, exist_ok=True)
     _clear_stale(sd)
+    ensure_local_token(os.environ)
     prepare_driver()  # up() itself reads the GCS node table
     # Ray's socket paths must stay under ~107 bytes, so the temp root is short and fixed per
     # state_dir; it is wiped on the next up() but outlives down() for post-mortem logs.

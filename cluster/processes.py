@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -162,43 +163,76 @@ SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def has_auth_token(env: Mapping[str, str]) -> bool:
-    """Whether Ray would find an auth token in ``env``: ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
-    (Ray refuses to start when that file is unreadable or empty, rather than going on without)
-    or ``$HOME/.ray/auth_token``; the sources of Ray's token loader, docs.ray.io
-    "Token Authentication" (ray-core/internals)."""
+    """Whether Ray would find an auth token of the user's in ``env``: ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` (Ray refuses to start when that file is unreadable or empty, rather
+    than going on without) or ``$HOME/.ray/auth_token``; the sources of Ray's token loader,
+    docs.ray.io "Token Authentication" (ray-core/internals)."""
     if env.get(TOKEN_ENV) or env.get(TOKEN_PATH_ENV):
         return True
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    return (home / ".ray" / "auth_token").is_file()
+    return (_home(env) / ".ray" / "auth_token").is_file()
 
 
-def auth_mode(env: Mapping[str, str]) -> str:
-    """``RAY_AUTH_MODE`` for the cluster and its drivers: the caller's, when ``env`` sets it;
-    else "token" when the caller has a token (``has_auth_token``), "disabled" without one.
+def local_token_path(env: Mapping[str, str]) -> Path:
+    """Where the local cluster's own token lives when the user has none:
+    ``$HOME/.specdec/ray_auth_token``. One file for every local cluster of the user, not one
+    per state directory: a Ray driver process loads its token once, and the test suite's
+    driver connects to several clusters in turn."""
+    return _home(env) / ".specdec" / "ray_auth_token"
+
+
+def ensure_local_token(env: Mapping[str, str]) -> Path | None:
+    """Creates the local cluster's token (32 random bytes, hex, mode 0600) unless the user has
+    a token of their own (``has_auth_token``) or it exists; returns its path, or None when the
+    user's token is used. Raises OSError when it cannot be written."""
+    if has_auth_token(env):
+        return None
+    path = local_token_path(env)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.replace(path.with_suffix(".tmp"), path)
+    return path
+
+
+def auth_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The auth variables a node or driver of the local cluster adds to ``env``:
+    ``RAY_AUTH_MODE`` (the caller's when set, else "token") and, when the user has no token of
+    their own, ``RAY_AUTH_TOKEN_PATH`` naming the local one (``local_token_path``) if it exists.
 
     Ray itself turns token auth on for a token only in ``ray start --head`` and in drivers that
     find their cluster by themselves (ray/_private/worker.py, ``ray.init``: "an explicit address
     (argument or RAY_ADDRESS) never does"; ray/scripts/scripts.py, the worker-node path never
     does): left to Ray, our pool nodes and drivers would not speak to an authenticated head.
     """
-    return env.get(AUTH_MODE_ENV) or ("token" if has_auth_token(env) else "disabled")
+    added = {AUTH_MODE_ENV: env.get(AUTH_MODE_ENV) or "token"}
+    local = local_token_path(env)
+    if not has_auth_token(env) and local.is_file():
+        added[TOKEN_PATH_ENV] = str(local)
+    return added
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    return Path(env["HOME"]) if env.get("HOME") else Path.home()
 
 
 def prepare_driver() -> None:
     """Prepares this process to connect to the local cluster (``ray.init(address=...)``, a GCS
-    client such as ``status.gcs_nodes``): sets ``RAY_AUTH_MODE`` as the nodes have it
-    (``auth_mode``) and ``SINGLE_HOST_ENV=0`` (Ray would otherwise rewrite the cluster's
-    127.0.0.1 address to the machine's routable IP, where nothing listens), in ``os.environ``
-    so that child processes inherit both.
+    client such as ``status.gcs_nodes``): sets the auth variables as the nodes have them
+    (``auth_env``: token mode, and the local token when the user has none) and
+    ``SINGLE_HOST_ENV=0`` (Ray would otherwise rewrite the cluster's 127.0.0.1 address to the
+    machine's routable IP, where nothing listens), in ``os.environ`` so that child processes
+    inherit them.
 
     Ray reads these when it is imported and when its config is built; when Ray is already
     imported, its copies are updated too (``Config.initialize("")`` is how Ray itself re-reads
     the auth mode, ray/_private/authentication/authentication_token_setup.py). Call it before
     ``ray.init``, not while connected; calling it again changes nothing.
     """
-    mode = auth_mode(os.environ)
-    changed = os.environ.get(AUTH_MODE_ENV) != mode
-    os.environ[AUTH_MODE_ENV] = mode
+    added = auth_env(os.environ)
+    changed = any(os.environ.get(k) != v for k, v in added.items())
+    os.environ.update(added)
     os.environ[SINGLE_HOST_ENV] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
@@ -210,7 +244,7 @@ def prepare_driver() -> None:
 
 def node_env(cluster_id: str) -> dict[str, str]:
     """The environment of a node's ``ray start``: ours, marked with ``cluster_id``, with the
-    auth mode of ``auth_mode`` and ``SINGLE_HOST_ENV=0`` (for every process the node starts:
+    auth variables of ``auth_env`` and ``SINGLE_HOST_ENV=0`` (for every process the node starts:
     agents, workers and the Serve actors resolve this machine to 127.0.0.1, as drivers do)."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # never let a user's RAY_ADDRESS steer our nodes
@@ -223,7 +257,7 @@ def node_env(cluster_id: str) -> dict[str, str]:
             # down() stops the whole cluster, so there is no traffic to protect.
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
             SINGLE_HOST_ENV: "0",
-            AUTH_MODE_ENV: auth_mode(env),
+            **auth_env(env),
         }
     )
     return env
