@@ -182,10 +182,14 @@ def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
 # A router replica being scaled down holds whole requests (streams of many rounds), not single
 # calls: it drains for up to graceful_shutdown_timeout_s (Serve's default, 20 s, is shorter than
 # a long generation on a CPU) and checks every wait_loop_s whether its last stream has ended.
+# The Kubernetes manifests give router pods at least this long to stop (k8s/base).
+DRAIN_S = 300
+
+
 @serve.deployment(
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=256,
-    graceful_shutdown_timeout_s=300,
+    graceful_shutdown_timeout_s=DRAIN_S,
     graceful_shutdown_wait_loop_s=1,
 )
 @serve.ingress(HTTP_APP)

@@ -379,6 +379,65 @@ def test_security(rendered):
             assert all(peer.get("podSelector", {}).get("matchLabels") for peer in rule["from"])
 
 
+def _group(rayservice: dict, component: str) -> dict:
+    """The worker group whose pods carry app.kubernetes.io/component=component."""
+    (group,) = [
+        g
+        for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        if g["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+    return group
+
+
+def test_operations_upgrades_disruptions_and_a_head_that_can_die(rendered):
+    """Issue 44 item 4: GCS fault tolerance on an external Redis (its password from a Secret),
+    NewCluster upgrades whose old cluster outlives the router's drain, router pods given the
+    drain to stop, a PodDisruptionBudget per group, and clients entering through the router
+    pods only."""
+    from specdec.deployments.router import DRAIN_S
+
+    name, docs = rendered
+    rayservice = _one(docs, "RayService")
+    spec = rayservice["spec"]
+    gcs = spec["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    redis = next(
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] in gcs["redisAddress"]
+    )
+    assert gcs["redisPassword"]["valueFrom"]["secretKeyRef"]["name"]  # never a literal
+    assert any(
+        d["kind"] == "StatefulSet" and d["spec"]["serviceName"] == redis["metadata"]["name"]
+        for d in docs
+    )
+    assert spec["upgradeStrategy"]["type"] == "NewCluster"
+    assert spec["rayClusterDeletionDelaySeconds"] >= DRAIN_S
+    router = _group(rayservice, "router")
+    pod = router["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= DRAIN_S
+    env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])}
+    assert (
+        DRAIN_S
+        <= float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        < pod["terminationGracePeriodSeconds"]
+    )
+    assert router["minReplicas"] >= 2
+    budgets = {
+        d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: d["spec"]
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+    }
+    assert set(budgets) == {"router", "draft", "target"}
+    assert 1 <= budgets["router"]["minAvailable"] < router["minReplicas"]
+    assert budgets["draft"]["maxUnavailable"] == budgets["target"]["maxUnavailable"] == 1
+    for component, budget in budgets.items():
+        labels = _group(rayservice, component)["template"]["metadata"]["labels"]
+        assert budget["selector"]["matchLabels"].items() <= labels.items()
+    (entry,) = [
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "specdec-router"
+    ]
+    assert entry["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    assert {p["port"] for p in entry["spec"]["ports"]} == SERVE_PORTS
+
+
 # --- the checks have teeth --------------------------------------------------------------------
 
 
