@@ -121,3 +121,21 @@ def test_a_refusal_answers_unauthenticated_and_openai_401():
             "code": "invalid_api_key",  # what OpenAI answers for a bad key
         }
     }
+
+
+def test_serve_checks_the_keys_file_before_it_starts_anything(tmp_path, monkeypatch):
+    import argparse
+
+    from specdec.cluster import local
+    from specdec.tools import serve
+
+    monkeypatch.setattr(local, "up", lambda *a, **k: pytest.fail("started a cluster"))
+    monkeypatch.setattr(local, "address", lambda *a, **k: pytest.fail("looked for a cluster"))
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    (tmp_path / "empty").write_text("\n")
+    for name in ("absent", "empty"):
+        args = parser.parse_args(["--local", "--api-keys-file", str(tmp_path / name)])
+        with pytest.raises(ConfigError) as err:
+            serve.main(args)
+        assert err.value.field == "api_keys_file"
