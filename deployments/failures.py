@@ -21,7 +21,7 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, Unauthenticated
 
 
 class ServiceUnavailable(RuntimeError):
@@ -73,6 +73,8 @@ def grpc_status(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed request answers with; the message never carries a traceback."""
     if isinstance(err, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(err)
     if isinstance(err, ServiceUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(err)
     if isinstance(err, BackPressureError):

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -35,11 +36,20 @@ from specdec.errors import InvalidRequestError
 from specdec.openai_api import OpenAIError, OpenAIRequest, Responder
 
 log = logging.getLogger("ray.serve")
-HTTP_APP = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
+# No /docs, /redoc or /openapi.json: they would be the only routes of the API's port that
+# answer without a key when keys are on, and the API is documented in docs/api.md.
+HTTP_APP = FastAPI(
+    title="specdec",
+    description="OpenAI-compatible speculative decoding",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 # Metric labels of HTTP failures: the gRPC status names the gRPC API records, so a dashboard
 # counts errors by code across both APIs.
 _CODE_NAMES = {
     400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
@@ -60,12 +70,18 @@ def _as_openai_error(err: Exception, parsed: OpenAIRequest | None) -> OpenAIErro
             return OpenAIError.bad(err.field, err.message)
         return parsed.invalid(err)
     code, message = grpc_status(err)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return OpenAIError(401, message, None, "invalid_api_key")  # OpenAI's own code for it
     status = {"UNAVAILABLE": 503, "RESOURCE_EXHAUSTED": 429}.get(code.name, 500)
     return OpenAIError(status, message, None, code.name.lower())
 
 
 class OpenAIRoutes:
     """The HTTP routes, a mixin of SpeculativeRouter (``@serve.ingress(HTTP_APP)`` there).
+
+    Every route checks the ``Authorization`` header with the router's ``api_keys``
+    (specdec.api_keys.ApiKeys) first: without an accepted key, 401 with OpenAI's error object
+    (code ``invalid_api_key``) and ``WWW-Authenticate: Bearer``.
 
     Uses the router's ``config``, ``tokenizer``, ``metrics``, ``_model_info()`` (the draft's
     and target's specdec.v1.ReplicaInfo; ServiceUnavailable when the target does not answer),
@@ -74,11 +90,12 @@ class OpenAIRoutes:
     """
 
     @HTTP_APP.get("/v1/models")
-    async def list_models(self) -> Response:
+    async def list_models(self, request: Request) -> Response:
         """The served model (the target; its id goes in requests' ``model``), the draft in
         ``draft_model`` (null while no draft replica has answered this router) and the
         context limit (tokens) in ``max_model_len``."""
         try:
+            self.api_keys.check(request.headers.get("authorization"))
             draft, target = await self._model_info()
         except Exception as err:  # noqa: BLE001 - every failure becomes an error object
             return self._http_error_response("/v1/models", err, None)
@@ -110,6 +127,8 @@ class OpenAIRoutes:
         start = time.perf_counter()
         parsed = None
         try:
+            # Before the body is read: a client without a key costs no more than its headers.
+            self.api_keys.check(http_request.headers.get("authorization"))
             body = await _json_body(http_request, self.config.service.max_request_bytes)
             parsed = openai_api.parse(endpoint, body)
             _, target = await self._model_info()
@@ -176,7 +195,9 @@ class OpenAIRoutes:
         self, method: str, err: Exception, parsed: OpenAIRequest | None
     ) -> JSONResponse:
         error = self._http_failure(method, err, parsed)
-        return JSONResponse(error.body(), status_code=error.status)
+        # RFC 6750: a 401 names the scheme the client must use.
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _json_body(request: Request, max_bytes: int) -> object:

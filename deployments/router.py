@@ -26,6 +26,7 @@ from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENG
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from specdec.api_keys import ApiKeys
 from specdec.config import ServiceConfig, SpecdecConfig
 from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
@@ -196,6 +197,8 @@ DRAIN_S = 300
 class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     """Implements specdec.v1.SpeculativeDecoding (and grpc.health.v1.Health) on Serve's gRPC
     port, and the OpenAI-compatible HTTP API (specdec.deployments.http_api) on its HTTP port.
+    With API keys configured (service.api_keys_file, api_keys_env; specdec.api_keys) both
+    APIs answer only requests that carry one; health and readiness stay open.
 
     Args:
         draft, target: handles of the DraftModel and TargetModel deployments.
@@ -209,6 +212,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     ) -> None:
         route_specdec_logs()  # the draft pool's availability changes
         self.config = config
+        self.api_keys = ApiKeys.load(config.service.api_keys_file, config.service.api_keys_env)
         self.tokenizer = load_tokenizer(config.models.target_model)
         check_same_tokenizer(load_tokenizer(config.models.draft_model), self.tokenizer)
         # A sampled round's q travels draft -> router -> target over Serve's per-replica gRPC
@@ -244,6 +248,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         """Unary generation: the whole completion with usage and stats."""
         start = time.perf_counter()
         try:
+            self._authenticate(grpc_context)
             completion = await (await self._round_loop(request)).complete()
         except Exception as err:  # noqa: BLE001 - every failure becomes a gRPC status
             self._fail("Generate", err, grpc_context)
@@ -258,6 +263,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         usage and stats. A client cancel or deadline stops the rounds and releases the session."""
         start = time.perf_counter()
         try:
+            self._authenticate(grpc_context)
             loop = await self._round_loop(request)
             async with contextlib.aclosing(loop.run()) as deltas:
                 async for delta in deltas:
@@ -278,6 +284,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         self, request: specdec_pb2.ModelInfoRequest, grpc_context: RayServegRPCContext
     ) -> specdec_pb2.ModelInfo:
         try:
+            self._authenticate(grpc_context)
             draft, target = await self._model_info(draft_wait_s=health.PROBE_S)
         except Exception as err:  # noqa: BLE001
             self._fail("GetModelInfo", err, grpc_context)
@@ -413,6 +420,17 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     async def _limits(self) -> ModelLimits:
         draft, target = await self._model_info()
         return ModelLimits.of(target, draft, self.config.speculation)
+
+    def _authenticate(self, grpc_context: RayServegRPCContext) -> None:
+        """Checks the call's ``authorization`` metadata (``Bearer KEY``) against api_keys;
+        Check and Watch never call it, so health stays open.
+
+        Raises:
+            specdec.errors.Unauthenticated: keys are configured and none of them was sent
+                (_fail answers UNAUTHENTICATED and counts it; no session is opened).
+        """
+        metadata = dict(grpc_context.invocation_metadata())
+        self.api_keys.check(metadata.get("authorization"))
 
     def _fail(self, method: str, err: Exception, grpc_context: RayServegRPCContext):
         code, details = grpc_status(err)

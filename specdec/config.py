@@ -48,6 +48,7 @@ DTYPE_GEMMS = {
 CPU_ONLY = ("int8", "dnnl", "bf16w")  # the dtypes and GEMMs that run on a CPU only
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
@@ -404,6 +405,19 @@ class ServiceConfig(_Section):
     target_pool: str = "target_pool"
     """The Ray custom resource of the target replicas, as `draft_pool`."""
 
+    api_keys_file: str | None = None
+    """A file of API keys, one a line (blank lines and `#` comments skipped), read by each
+    router replica at start-up: then every data-plane request needs one of them
+    (`Authorization: Bearer KEY` on HTTP, the `authorization` metadata on gRPC; else 401 or
+    UNAUTHENTICATED); health, readiness and metrics stay open. A missing or unreadable file,
+    or one without a key, fails the router's start. Unset, and no key in `api_keys_env`:
+    authentication is off (see docs/security.md)."""
+
+    api_keys_env: str | None = "SPECDEC_API_KEYS"
+    """The environment variable of the router's processes whose comma-separated keys are
+    accepted too (a Kubernetes Secret through `secretKeyRef`); unset or empty adds none; null
+    reads no variable. Several keys at once let a new one roll out before the old one goes."""
+
     def _check(self) -> None:
         for name in ("call_timeout_s", "unavailable_after_s", "draft_timeout_s", "draft_retry_s"):
             value = getattr(self, name)
@@ -431,6 +445,12 @@ class ServiceConfig(_Section):
         )
         for name in ("draft_pool", "target_pool"):
             _require(name, getattr(self, name) != "", "must not be empty")
+        _require("api_keys_file", self.api_keys_file != "", "must be a path or null")
+        _require(
+            "api_keys_env",
+            self.api_keys_env is None or _ENV_NAME.fullmatch(self.api_keys_env) is not None,
+            f"must be an environment variable's name or null, got {self.api_keys_env!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

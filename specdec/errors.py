@@ -47,3 +47,8 @@ class MalformedRequest:
 
     def __str__(self) -> str:
         return f"the request is not a valid {self.message_type} message ({self.reason})"
+
+
+class Unauthenticated(Exception):
+    """A data-plane request without an accepted API key (specdec.api_keys); the router answers
+    UNAUTHENTICATED on gRPC, 401 on HTTP. The message never repeats the presented key."""

@@ -101,7 +101,8 @@ class OpenAIError(Exception):
     """An error answered as OpenAI's error object.
 
     Attributes:
-        status: the HTTP status (400 bad input, 404 unknown model, 500 internal, 503 no replica
+        status: the HTTP status (400 bad input, 401 no accepted API key, 404 unknown model, 500
+            internal, 503 no replica
             answered).
         message: starts with the field's name when ``param`` is set.
         param: the request field at fault, or None.

@@ -26,14 +26,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import grpc
-
 from specdec.bench.replica_monitor import ReplicaMonitor
 from specdec.bench.report import percentiles, write_json
 from specdec.bench.requests import REFUSED, RequestRecord, send_async
-from specdec.client import DEFAULT_ADDRESS
+from specdec.client import DEFAULT_ADDRESS, call_metadata, open_channel
 from specdec.config import APPLICATION
-from specdec.tools.args import add_k_arg
+from specdec.tools.args import add_connection_args, add_k_arg, client_options
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 _STAGE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(ms|s|m)?$")
@@ -104,6 +102,7 @@ class LoadTest:
         requests: the GenerateRequests to cycle through (index = ``prompt_index``).
         address: gRPC "host:port" of Serve's proxy.
         application: Serve application name (the ``application`` metadata).
+        api_key, tls, ca_file: the connection, as specdec.client.SpecdecClient takes them.
         stream: GenerateStream (TTFT measured at the first message) instead of Generate.
         request_timeout_s: gRPC deadline of each request, in seconds.
         drain_s: seconds in-flight requests may still run after the last stage.
@@ -118,6 +117,9 @@ class LoadTest:
         *,
         address: str = DEFAULT_ADDRESS,
         application: str = APPLICATION,
+        api_key: str | None = None,
+        tls: bool = False,
+        ca_file: str | None = None,
         stream: bool = True,
         request_timeout_s: float = 300.0,
         drain_s: float = 30.0,
@@ -129,6 +131,8 @@ class LoadTest:
             raise ValueError("the prompt set is empty")
         self.requests = list(requests)
         self.address, self.application, self.stream = address, application, stream
+        self.metadata = call_metadata(application, api_key)
+        self.tls, self.ca_file = tls, ca_file
         self.request_timeout_s, self.drain_s = request_timeout_s, drain_s
         self.max_requests, self.keep_outputs, self.progress = max_requests, keep_outputs, progress
         self.results: list[RequestResult] = []
@@ -147,7 +151,7 @@ class LoadTest:
         self._concurrency, self._stage, self._stopping = 0, 0, False
         self._workers: dict[int, asyncio.Task] = {}
         self._in_flight: set[asyncio.Task] = set()
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address, self.tls, self.ca_file, aio=True) as channel:
             self._stub = specdec_pb2_grpc.SpeculativeDecodingStub(channel)
             ticker = asyncio.create_task(self._tick())
             try:
@@ -209,7 +213,7 @@ class LoadTest:
             self.requests[result.prompt_index],
             result,
             stream=self.stream,
-            metadata=(("application", self.application),),
+            metadata=self.metadata,
             timeout_s=self.request_timeout_s,
             clock=self._now,
             on_tokens=self._count_tokens,
@@ -461,8 +465,7 @@ def stages_arg(text: str) -> list[Stage]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec loadtest`."""
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=APPLICATION)
+    add_connection_args(parser)
     parser.add_argument(
         "--stages",
         default="1x30s,8x90s,1x60s",
@@ -518,6 +521,7 @@ def main(args: argparse.Namespace) -> int:
         requests,
         address=args.address,
         application=args.application,
+        **client_options(args),
         stream=args.stream,
         request_timeout_s=args.timeout,
         drain_s=args.drain,
@@ -527,6 +531,7 @@ def main(args: argparse.Namespace) -> int:
     report = asyncio.run(run(load, args.stages, ray_address, args.application))
     report["config"] = {
         "address": args.address,
+        "tls": args.tls or args.ca_file is not None,
         "stages": [{"concurrency": s.concurrency, "duration_s": s.duration_s} for s in args.stages],
         "dataset": args.dataset,
         "max_new_tokens": args.max_new_tokens,

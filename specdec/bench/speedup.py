@@ -59,7 +59,13 @@ from specdec.bench.report import machine, run_record, write_json
 from specdec.client import SpecdecClient, build_request
 from specdec.config import PROPOSERS
 from specdec.decoding.stats import SpeculationStats
-from specdec.tools.args import add_k_arg, add_prompt_set_args, check_report_paths, positive_int
+from specdec.tools.args import (
+    add_k_arg,
+    add_prompt_set_args,
+    check_report_paths,
+    client_options,
+    positive_int,
+)
 
 WARM_UP_TOKENS = 16
 
@@ -377,7 +383,9 @@ def main(args: argparse.Namespace) -> int:
     check_report_paths(args)
     greedy = not args.temperature
     device = _device(args.device)
-    with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
+    with SpecdecClient(
+        args.address, args.application, timeout_s=args.timeout, **client_options(args)
+    ) as client:
         info = client.model_info()
         # The warm-up goes first: a request the service refuses fails before any model loads.
         warm_up = {

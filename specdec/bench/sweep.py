@@ -58,6 +58,7 @@ from specdec.client import SpecdecClient, build_request
 from specdec.tools.args import (
     add_prompt_set_args,
     check_report_paths,
+    client_options,
     positive_int,
     run_standalone,
 )
@@ -532,7 +533,9 @@ def main(args: argparse.Namespace) -> int:
     command = shlex.join(sys.argv)
     host = machine()
     cell_runs = []
-    with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
+    with SpecdecClient(
+        args.address, args.application, timeout_s=args.timeout, **client_options(args)
+    ) as client:
         info = client.model_info()
         # One request per mode first: a k the service refuses fails here, before any cell.
         for k in args.k:

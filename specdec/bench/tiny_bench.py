@@ -35,9 +35,11 @@ def _in_process(max_new_tokens: int):
 
 
 def _through_service(address: str, max_new_tokens: int):
-    from specdec.client import SpecdecClient, build_request
+    import os
 
-    client = SpecdecClient(address)
+    from specdec.client import API_KEY_ENV, SpecdecClient, build_request
+
+    client = SpecdecClient(address, api_key=os.environ.get(API_KEY_ENV))
 
     def run(prompt, k):
         request = build_request(
@@ -77,7 +79,9 @@ def format_line(
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec tiny-bench` / `python -m specdec.bench.tiny_bench`."""
     parser.add_argument(
-        "--address", help="gRPC HOST:PORT of a running service (default: in process)"
+        "--address",
+        help="gRPC HOST:PORT of a running service (default: in process; API key from "
+        "$SPECDEC_API_KEY)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
 

@@ -63,13 +63,43 @@ def add_proposer_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:
-    """The service address and the prompt set of a benchmark: --address, --application,
-    --dataset, --data-file, --category, --limit (specdec.bench.datasets reads the last four)."""
-    from specdec.client import DEFAULT_ADDRESS
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """How a command reaches the gRPC service: --address, --application, --api-key, --tls,
+    --ca-file (client_options turns the last three into SpecdecClient's keywords)."""
+    from specdec.client import API_KEY_ENV, DEFAULT_ADDRESS
 
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
     parser.add_argument("--application", default=APPLICATION)
+    parser.add_argument(
+        "--api-key",
+        help=f"the service's API key (default: ${API_KEY_ENV}; prefer it, a flag shows in ps)",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="TLS to a gateway that terminates it (HOST:443)"
+    )
+    parser.add_argument(
+        "--ca-file", help="PEM CA that signed the server's certificate (implies --tls)"
+    )
+
+
+def client_options(args: argparse.Namespace) -> dict:
+    """SpecdecClient's api_key, tls and ca_file from add_connection_args' flags; the key from
+    the environment variable specdec.client.API_KEY_ENV when --api-key is not given."""
+    import os
+
+    from specdec.client import API_KEY_ENV
+
+    return {
+        "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+        "tls": args.tls,
+        "ca_file": args.ca_file,
+    }
+
+
+def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:
+    """The service's connection (add_connection_args) and the prompt set of a benchmark:
+    --dataset, --data-file, --category, --limit (specdec.bench.datasets reads them)."""
+    add_connection_args(parser)
     parser.add_argument(
         "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
     )

@@ -12,16 +12,14 @@ import sys
 
 from google.protobuf import json_format
 
-from specdec.client import DEFAULT_ADDRESS, SpecdecClient, build_request
-from specdec.config import APPLICATION
-from specdec.tools.args import add_k_arg, add_proposer_arg
+from specdec.client import SpecdecClient, build_request
+from specdec.tools.args import add_connection_args, add_k_arg, add_proposer_arg, client_options
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec generate`."""
     parser.add_argument("prompt")
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=APPLICATION)
+    add_connection_args(parser)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--stream", action="store_true", help="print tokens as rounds commit them")
     parser.add_argument("--max-new-tokens", type=int)
@@ -56,7 +54,10 @@ def main(args: argparse.Namespace) -> int:
         logprobs=args.json,
         proposer=args.proposer,
     )
-    with SpecdecClient(args.address, args.application, timeout_s=args.timeout) as client:
+    client = SpecdecClient(
+        args.address, args.application, timeout_s=args.timeout, **client_options(args)
+    )
+    with client:
         if not args.stream:
             response = client.generate(request)
             print(_json(response) if args.json else response.text)

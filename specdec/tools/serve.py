@@ -1,15 +1,25 @@
 """`specdec serve`: deploy specdec to a running Ray cluster (or the local one, started first with
---local), from a Serve config YAML with optional model and dtype overrides."""
+--local), from a Serve config YAML with optional model, dtype and API-key overrides."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from specdec.api_keys import read_keys_file
 from specdec.config import APPLICATION
 from specdec.tools.args import DEFAULT_CONFIG, config_path
 
 # parsed-args attributes (--draft-model ...) that override the application arg of the same name
-OVERRIDES = ("draft_model", "target_model", "dtype", "gemm", "draft_dtype", "draft_gemm")
+OVERRIDES = (
+    "draft_model",
+    "target_model",
+    "dtype",
+    "gemm",
+    "draft_dtype",
+    "draft_gemm",
+    "api_keys_file",
+)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +45,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--draft-dtype", help="override the config's draft_dtype (e.g. int8)")
     parser.add_argument("--draft-gemm", help="override the config's draft_gemm")
+    parser.add_argument(
+        "--api-keys-file",
+        help="require one of this file's API keys on every request (one a line; "
+        "docs/security.md); read here first, so a bad file fails before the deploy",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,12 +59,19 @@ def main(args: argparse.Namespace) -> int:
     once, with progress bars, instead of in every replica.
 
     Raises:
-        FileNotFoundError: no such config. specdec.errors.ModelLoadError: the bundled pair is not
-        installed. RuntimeError: no cluster to deploy to, or the deployment failed.
+        FileNotFoundError: no such config. specdec.errors.ConfigError: a bad setting, or an
+        --api-keys-file that cannot be read or holds no key. specdec.errors.ModelLoadError: the
+        bundled pair is not installed. RuntimeError: no cluster to deploy to, or the deployment
+        failed.
     """
     from specdec.cluster import local
     from specdec.deployments.deploy import ServeConfig, bundled_models, deploy
 
+    if args.api_keys_file:
+        # The router reads the file from its own working directory: pass it absolute, and
+        # fail on a missing or empty file now rather than in the router replica.
+        args.api_keys_file = str(Path(args.api_keys_file).expanduser().resolve())
+        read_keys_file(args.api_keys_file)
     address = args.address
     if args.local:
         try:

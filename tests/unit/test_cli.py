@@ -78,6 +78,9 @@ def test_demo_bench_arguments_parse_with_bench_parser():
     assert vars(args) == dict(
         address="127.0.0.1:9000",
         application="specdec",
+        api_key=None,
+        tls=False,
+        ca_file=None,
         dataset="humaneval",
         data_file=None,
         category=None,

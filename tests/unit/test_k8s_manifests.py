@@ -22,6 +22,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from specdec.config import ServiceConfig
 from specdec.tools import k8s
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ KUBERAY = REPO.parent / "shared" / "data" / "kuberay"
 KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-demo"]
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes these manifests promise to work on
 SERVE_PORTS = {8000, 9000}
+ROUTER_SVC = "specdec-router"  # the Service clients (and the gateway) enter by
 STANDARD_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
@@ -225,6 +227,83 @@ def pool_problems(rayservice: dict) -> list[str]:
     return problems
 
 
+def _policies(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+
+def _gateway_peer() -> dict:
+    """The NetworkPolicy peer that k8s/gateway/gateway.yaml's proxy pods are: its namespace,
+    and the label Gateway API implementations put on a Gateway's pods."""
+    gateway = _one(_gateway_docs(), "Gateway")["metadata"]
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": gateway["namespace"]}},
+        "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": gateway["name"]}},
+    }
+
+
+def network_policy_problems(docs: list[dict]) -> list[str]:
+    """Ingress and egress of the specdec pods: Serve's ports (8000, 9000) only from the gateway's
+    pods or the RayService's own, never from every namespace or every pod; every peer names
+    pods; egress only to the RayService's pods and the cluster DNS (port 53), and the head's
+    autoscaler to the Kubernetes API (443, 6443) in a policy of the head alone."""
+    policies = _policies(docs)
+    main = policies.get("specdec")
+    if main is None:
+        return ["no NetworkPolicy `specdec`"]
+    problems = []
+    if sorted(main.get("policyTypes", [])) != ["Egress", "Ingress"]:
+        problems.append(f"specdec: policyTypes {main.get('policyTypes')}, not Ingress and Egress")
+    own = {"podSelector": main["podSelector"]}
+    admitted_gateway = False
+    for index, rule in enumerate(main.get("ingress", [])):
+        peers = rule.get("from")
+        if not peers:
+            problems.append(f"ingress {index}: admits every source")
+            continue
+        ports = {p["port"] for p in rule.get("ports", [])} or None  # None: every port
+        for peer in peers:
+            if not peer.get("podSelector", {}).get("matchLabels"):
+                problems.append(f"ingress {index}: a peer names no pods: {peer}")
+            if ports is None or ports & SERVE_PORTS:
+                if peer == _gateway_peer():
+                    admitted_gateway = True
+                elif peer != own:
+                    problems.append(f"ingress {index}: Serve's ports admitted from {peer}")
+    if not admitted_gateway:
+        problems.append("no ingress rule admits the gateway's pods to Serve's ports")
+    egress = main.get("egress")
+    if not egress:
+        problems.append("specdec: no egress rules")
+    for index, rule in enumerate(egress or []):
+        for peer in rule.get("to") or [{}]:
+            if peer == own:
+                continue
+            dns = peer.get("podSelector", {}).get("matchLabels") == {"k8s-app": "kube-dns"}
+            ports = {p["port"] for p in rule.get("ports", [])}
+            if not dns or ports != {53}:
+                problems.append(f"egress {index}: to {peer} on {sorted(ports) or 'every port'}")
+    for name, spec in policies.items():
+        if name == "specdec":
+            continue
+        labels = spec["podSelector"].get("matchLabels", {})
+        if labels.get("app.kubernetes.io/component") != "head" or spec["policyTypes"] != ["Egress"]:
+            problems.append(f"{name}: not an egress policy of the head alone")
+        for rule in spec.get("egress", []):
+            ports = {p["port"] for p in rule.get("ports", [])}
+            if not ports or not ports <= {443, 6443}:
+                problems.append(f"{name}: egress beyond the Kubernetes API: {rule}")
+    return problems
+
+
+def _gateway_docs() -> list[dict]:
+    return [
+        d
+        for path in sorted((K8S / "gateway").glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    ]
+
+
 # --- the tests --------------------------------------------------------------------------------
 
 
@@ -367,16 +446,22 @@ def test_security(rendered):
             assert {"cpu", "memory"} <= set(container["resources"][kind]), container.get("name")
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
-    # The NetworkPolicy covers every Ray pod; only the serve ports are open to any source.
-    policy = _one(docs, "NetworkPolicy")["spec"]
+    # The NetworkPolicy covers every Ray pod, in and out.
+    policy = _policies(docs)["specdec"]
     selector = policy["podSelector"]["matchLabels"]
     assert all(selector.items() <= pod["metadata"]["labels"].items() for pod in pods)
-    assert policy["policyTypes"] == ["Ingress"]
-    for rule in policy["ingress"]:
-        if "from" not in rule:
-            assert {p["port"] for p in rule["ports"]} == SERVE_PORTS
-        else:
-            assert all(peer.get("podSelector", {}).get("matchLabels") for peer in rule["from"])
+    assert network_policy_problems(docs) == [], name
+    # The router pods take the API keys from a Secret (service.api_keys_env's default name);
+    # only the demo starts without it.
+    router = next(g for g in cluster["workerGroupSpecs"] if g["groupName"] == "router")
+    (env,) = [
+        e
+        for e in router["template"]["spec"]["containers"][0]["env"]
+        if e["name"] == ServiceConfig().api_keys_env
+    ]
+    secret = env["valueFrom"]["secretKeyRef"]
+    assert secret["name"] == "specdec-api-keys" and secret["key"] == "keys"
+    assert secret.get("optional", False) is (name == "overlays/cpu-demo")
 
 
 def _group(rayservice: dict, component: str) -> dict:
@@ -413,7 +498,7 @@ def test_operations_upgrades_disruptions_and_a_head_that_can_die(rendered):
     router = _group(rayservice, "router")
     pod = router["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] >= DRAIN_S
-    env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
     assert (
         DRAIN_S
         <= float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
@@ -441,6 +526,84 @@ def test_operations_upgrades_disruptions_and_a_head_that_can_die(rendered):
 # --- the checks have teeth --------------------------------------------------------------------
 
 
+def test_gateway_terminates_tls_for_both_apis_and_routes_to_the_serve_service():
+    """k8s/gateway: an HTTPS listener per API, each terminating TLS with a certificate; the
+    HTTPRoute and GRPCRoute attach to their own listener and send the application's paths and
+    services to the router pods' Service on Serve's HTTP and gRPC ports; the Gateway's namespace and
+    name are what the NetworkPolicy admits (_gateway_peer)."""
+    docs = _gateway_docs()
+    assert sorted(d["kind"] for d in docs) == ["GRPCRoute", "Gateway", "HTTPRoute", "Namespace"]
+    namespace, gateway = _one(docs, "Namespace"), _one(docs, "Gateway")
+    kubernetes_validate.validate(namespace, K8S_VERSION, strict=True)
+    assert gateway["metadata"]["namespace"] == namespace["metadata"]["name"]
+    assert all(d["apiVersion"] == "gateway.networking.k8s.io/v1" for d in docs[1:])
+    listeners = {listener["name"]: listener for listener in gateway["spec"]["listeners"]}
+    for listener in listeners.values():
+        assert listener["protocol"] == "HTTPS" and listener["port"] == 443
+        assert listener["tls"]["mode"] == "Terminate" and listener["tls"]["certificateRefs"]
+        assert listener["allowedRoutes"]["namespaces"]["from"] == "Selector"
+    base = render(K8S / "base")
+    config = _serve_config(_one(base, "RayService"))
+    # Clients enter through the router pods only (k8s/base/operations.yaml).
+    (router,) = [d for d in base if d["kind"] == "Service" and d["metadata"]["name"] == ROUTER_SVC]
+    ports = {
+        "HTTPRoute": config["http_options"]["port"],
+        "GRPCRoute": config["grpc_options"]["port"],
+    }
+    assert set(ports.values()) == {p["port"] for p in router["spec"]["ports"]}
+    hostnames = set()
+    for kind, port in ports.items():
+        route = _one(docs, kind)
+        (parent,) = route["spec"]["parentRefs"]
+        assert parent["name"] == gateway["metadata"]["name"]
+        assert parent["namespace"] == gateway["metadata"]["namespace"]
+        listener = listeners[parent["sectionName"]]
+        assert {"kind": kind} in listener["allowedRoutes"]["kinds"]
+        assert route["spec"]["hostnames"] == [listener["hostname"]]
+        hostnames.add(listener["hostname"])
+        for rule in route["spec"]["rules"]:
+            assert rule["backendRefs"] == [{"name": ROUTER_SVC, "port": port}]
+    assert len(hostnames) == 2  # an HTTPRoute and a GRPCRoute may not share a hostname
+    (http_rule,) = _one(docs, "HTTPRoute")["spec"]["rules"]
+    prefix = next(a for a in config["applications"] if a["name"] == "specdec")["route_prefix"]
+    assert http_rule["matches"] == [{"path": {"type": "PathPrefix", "value": f"{prefix}/"}}]
+    (grpc_rule,) = _one(docs, "GRPCRoute")["spec"]["rules"]
+    services = {m["method"]["service"] for m in grpc_rule["matches"]}
+    assert services == {"specdec.v1.SpeculativeDecoding", "grpc.health.v1.Health"}
+
+
+def test_network_policy_check_catches_open_ports_and_missing_egress():
+    docs = render(K8S / "base")
+    assert network_policy_problems(docs) == []
+
+    def broken(change) -> list[str]:
+        copied = copy.deepcopy(docs)
+        change(_policies(copied))
+        return network_policy_problems(copied)
+
+    def open_ports(policies):  # the policy as it was: Serve's ports from anywhere
+        policies["specdec"]["ingress"][0] = {"ports": [{"protocol": "TCP", "port": 9000}]}
+
+    def every_namespace(policies):
+        policies["specdec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+
+    def no_egress(policies):
+        del policies["specdec"]["egress"]
+        policies["specdec"]["policyTypes"] = ["Ingress"]
+
+    def egress_anywhere(policies):
+        policies["specdec"]["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+
+    def head_anywhere(policies):
+        policies["specdec-head-egress"]["egress"][0]["ports"] = []
+
+    assert any("every source" in p for p in broken(open_ports))
+    assert any("Serve's ports admitted from" in p for p in broken(every_namespace))
+    assert any("no egress" in p for p in broken(no_egress))
+    assert any("egress 2" in p for p in broken(egress_anywhere))
+    assert any("beyond the Kubernetes API" in p for p in broken(head_anywhere))
+
+
 def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
     rayservice = _one(render(K8S / "overlays/gpu"), "RayService")
     broken = copy.deepcopy(rayservice)
@@ -457,7 +620,7 @@ def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
 
 
 def test_kubernetes_validation_rejects_unknown_fields():
-    policy = copy.deepcopy(_one(render(K8S / "base"), "NetworkPolicy"))
+    policy = copy.deepcopy(next(d for d in render(K8S / "base") if d["kind"] == "NetworkPolicy"))
     policy["spec"]["ingress"][0]["port"] = 8000
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)

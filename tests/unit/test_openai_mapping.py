@@ -370,6 +370,7 @@ def test_models_answers_while_no_draft_replica_has_answered():
     import asyncio
     from types import SimpleNamespace
 
+    from specdec.api_keys import ApiKeys
     from specdec.config import SpecdecConfig
     from specdec.deployments.http_api import OpenAIRoutes
     from specdec.v1 import worker_pb2
@@ -379,8 +380,8 @@ def test_models_answers_while_no_draft_replica_has_answered():
     async def model_info():
         return None, target
 
-    router = SimpleNamespace(_model_info=model_info, config=SpecdecConfig())
-    response = asyncio.run(OpenAIRoutes.list_models(router))
+    router = SimpleNamespace(_model_info=model_info, config=SpecdecConfig(), api_keys=ApiKeys())
+    response = asyncio.run(OpenAIRoutes.list_models(router, SimpleNamespace(headers={})))
     (model,) = json.loads(response.body)["data"]
     assert response.status_code == 200
     assert (model["id"], model["draft_model"], model["max_model_len"]) == (
