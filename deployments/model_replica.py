@@ -112,7 +112,11 @@ class ModelReplica:
             ComputeUnhealthy: this replica's compute path is broken (stuck or failing,
                 ComputeWatchdog); the call is refused at once instead of queueing behind it.
         """
-        self._watchdog.check()
+        try:
+            self._watchdog.check()
+        except ComputeUnhealthy:
+            self._metrics.refused.inc()
+            raise
         arrival = (time.monotonic(), request)
         response = await batched(arrival)
         while response is DEFERRED:
@@ -133,13 +137,13 @@ class ModelReplica:
             self._metrics.batch_wait.observe(started - arrived, tags=tags)
         self._metrics.batch_size.observe(len(arrivals), tags=tags)
         requests = [request for _, request in arrivals]
+        loop = asyncio.get_running_loop()
         self._watchdog.started()
-        try:
-            results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, requests)
-        except Exception as error:
-            self._watchdog.ended(error)
-            raise
-        self._watchdog.ended(forward_error(results))
+        job = self._executor.submit(fn, requests)
+        # The watchdog hears of the job's end from the job itself, not from this coroutine: a
+        # cancelled caller must not make a forward that still runs (or hangs) look finished.
+        job.add_done_callback(lambda done: loop.call_soon_threadsafe(self._batch_ended, done))
+        results = await asyncio.wrap_future(job)
         self._sizer.observe((r.session.session_id for r in requests), time.monotonic() - started)
         self._resize_batches()
         deferred = sum(response is DEFERRED for response in results)
@@ -152,6 +156,16 @@ class ModelReplica:
                     self._metrics.rebuilds.inc()
         self._report_cache()
         return results
+
+    def _batch_ended(self, job: concurrent.futures.Future) -> None:
+        """Tells the watchdog that a batch's job on the compute thread ended, and whether a
+        forward of it raised (run on the event loop)."""
+        error = None
+        if not job.cancelled():
+            error = job.exception() or forward_error(job.result())
+        self._watchdog.ended(error)
+        if error is not None:
+            self._metrics.failed_batches.inc()
 
     async def check_health(self) -> None:
         """Serve's periodic health check (every health_check_period_s): it fails while the

@@ -56,7 +56,7 @@ def install_faults(
             raise InjectedFault(f"injected forward fault on {name}")
         if fault.startswith("raise-token "):
             token = int(fault.split()[1])
-            if bool((args[0] == token).any()):
+            if args and bool((args[0] == token).any()):  # args[0]: the input ids
                 raise InjectedFault(f"injected forward fault on {name}: token {token}")
         while fault == "hang":
             time.sleep(HANG_POLL_S)

@@ -5,8 +5,10 @@ SessionModel.run_batch)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import pytest
@@ -65,6 +67,41 @@ def test_only_forward_errors_count_and_a_refusal_is_retried_by_the_router():
     assert forward_error([good, ValueError("bad"), error]) is error
     assert retryable(ComputeUnhealthy("compute thread stuck"))
     assert not retryable(error)
+
+
+def _replica(watchdog: ComputeWatchdog) -> tuple[types.SimpleNamespace, list[str]]:
+    """A stand-in for a ModelReplica's state around ``watchdog``, and the counters it bumps."""
+    bumped: list[str] = []
+
+    def counter(name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(inc=lambda: bumped.append(name))
+
+    metrics = types.SimpleNamespace(refused=counter("refused"), failed_batches=counter("failed"))
+    sessions = types.SimpleNamespace(expire=lambda: 0)
+    replica = types.SimpleNamespace(
+        _watchdog=watchdog, _metrics=metrics, side=types.SimpleNamespace(sessions=sessions)
+    )
+    return replica, bumped
+
+
+def test_a_broken_replica_fails_its_health_check_and_refuses_calls_before_they_queue():
+    from specdec.deployments.model_replica import ModelReplica
+
+    replica, bumped = _replica(ComputeWatchdog(stuck_after_s=30, max_failures=1))
+    asyncio.run(ModelReplica.check_health(replica))  # healthy
+
+    async def batched(item):
+        raise AssertionError("a refused call must not queue for a batch")
+
+    job = concurrent.futures.Future()
+    job.set_result([worker_pb2.VerifyResponse(), RuntimeError("CUDA error: device lost")])
+    replica._watchdog.started()
+    ModelReplica._batch_ended(replica, job)  # a batch with a forward error
+    with pytest.raises(ComputeUnhealthy, match="1 batches in a row.*device lost"):
+        asyncio.run(ModelReplica.check_health(replica))
+    with pytest.raises(ComputeUnhealthy):
+        asyncio.run(ModelReplica._batched(replica, batched, "request"))
+    assert bumped == ["failed", "refused"]
 
 
 @pytest.mark.parametrize("stuck_after_s, max_failures", [(0, 3), (-1, 3), (30, 0)])
