@@ -21,7 +21,7 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 
-from specdec.errors import InvalidRequestError, Unauthenticated
+from specdec.errors import ComputeUnhealthy, InvalidRequestError, Unauthenticated
 
 
 class ServiceUnavailable(RuntimeError):
@@ -34,9 +34,12 @@ class ServiceUnavailable(RuntimeError):
 # transport a dead or shut-down replica raises ActorUnavailableError (a RayActorError) or
 # RequestCancelledError (its server cancelled the call while draining), other gRPC failures
 # grpc.aio.AioRpcError (handled by code in retryable); a replica whose node died raises the
-# node and worker errors. Errors of the replica's own code (RayTaskError) are not here: sending
-# the same call again would fail again, so they answer INTERNAL.
+# node and worker errors. A replica whose compute path is broken refuses calls before running
+# them (ComputeUnhealthy) until Serve replaces it. Other errors of the replica's own code
+# (RayTaskError) are not here: sending the same call again would fail again, so they answer
+# INTERNAL.
 RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
+    ComputeUnhealthy,
     asyncio.TimeoutError,
     RayActorError,
     WorkerCrashedError,

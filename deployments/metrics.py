@@ -214,6 +214,14 @@ class ReplicaMetrics:
             boundaries=LATENCY_BOUNDARIES_S,
             tag_keys=("method",),
         )
+        self.failed_batches = metrics.Counter(
+            "specdec_failed_batches",
+            "Batches whose forwards raised (models.max_forward_failures in a row fail health).",
+        )
+        self.refused = metrics.Counter(
+            "specdec_calls_refused",
+            "Calls refused while the replica's compute path was stuck or failing.",
+        )
 
 
 def _add(counter: metrics.Counter, value: int, tags: dict[str, str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -14,7 +15,10 @@ from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.device.calibration.load import load_calibrated
 from specdec.device.calibration_cache import CalibrationCache
+from specdec.errors import ComputeUnhealthy
 from specdec.v1 import worker_pb2
+from specdec.worker.compute_health import ComputeWatchdog, forward_error
+from specdec.worker.faults import FAULT_DIR_ENV, install_faults
 from specdec.worker.info import replica_info
 from specdec.worker.session import DEFERRED, Deferred, SessionModel
 
@@ -33,6 +37,12 @@ class ModelReplica:
 
     Model calls are serialised: concurrent forwards on one device only contend, and the event
     loop stays free for health checks, releases and the transport while a forward runs.
+
+    The health check exercises the compute path through a watchdog over the compute thread's
+    batches (specdec.worker.compute_health): a batch running past models.stuck_forward_s, or
+    models.max_forward_failures batches in a row whose forwards raised, fail it, so that Serve
+    replaces the replica; meanwhile the replica refuses new calls (ComputeUnhealthy, which the
+    router retries on another replica).
 
     Args:
         side_cls: DraftProposer or TargetVerifier, built as side_cls(loaded model, config).
@@ -66,6 +76,12 @@ class ModelReplica:
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()
         self._info = replica_info(self.side, config)
         self._metrics = ReplicaMetrics()
+        self._watchdog = ComputeWatchdog(
+            config.models.stuck_forward_s, config.models.max_forward_failures
+        )
+        if os.environ.get(FAULT_DIR_ENV):  # tests only (specdec.worker.faults)
+            install_faults(self.side.loaded.model, self._replica_id())
+            log.warning("%s is set: forwards obey injected faults (tests only)", FAULT_DIR_ENV)
         log.info(
             "loaded %s (%s, %s) with a %d-byte session cache",
             model,
@@ -90,7 +106,17 @@ class ModelReplica:
     async def _batched(self, batched, request):
         """One call through the serve.batch method ``batched``; raises its own error. A call
         the batch deferred (a prefill past its budget, SessionModel.run_batch) joins the next
-        one, keeping its arrival time."""
+        one, keeping its arrival time.
+
+        Raises:
+            ComputeUnhealthy: this replica's compute path is broken (stuck or failing,
+                ComputeWatchdog); the call is refused at once instead of queueing behind it.
+        """
+        try:
+            self._watchdog.check()
+        except ComputeUnhealthy:
+            self._metrics.refused.inc()
+            raise
         arrival = (time.monotonic(), request)
         response = await batched(arrival)
         while response is DEFERRED:
@@ -111,7 +137,13 @@ class ModelReplica:
             self._metrics.batch_wait.observe(started - arrived, tags=tags)
         self._metrics.batch_size.observe(len(arrivals), tags=tags)
         requests = [request for _, request in arrivals]
-        results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, requests)
+        loop = asyncio.get_running_loop()
+        self._watchdog.started()
+        job = self._executor.submit(fn, requests)
+        # The watchdog hears of the job's end from the job itself, not from this coroutine: a
+        # cancelled caller must not make a forward that still runs (or hangs) look finished.
+        job.add_done_callback(lambda done: loop.call_soon_threadsafe(self._batch_ended, done))
+        results = await asyncio.wrap_future(job)
         self._sizer.observe((r.session.session_id for r in requests), time.monotonic() - started)
         self._resize_batches()
         deferred = sum(response is DEFERRED for response in results)
@@ -125,14 +157,34 @@ class ModelReplica:
         self._report_cache()
         return results
 
+    def _batch_ended(self, job: concurrent.futures.Future) -> None:
+        """Tells the watchdog that a batch's job on the compute thread ended, and whether a
+        forward of it raised (run on the event loop)."""
+        error = None
+        if not job.cancelled():
+            error = job.exception() or forward_error(job.result())
+        self._watchdog.ended(error)
+        if error is not None:
+            self._metrics.failed_batches.inc()
+
     async def check_health(self) -> None:
-        """Serve's periodic health check (every health_check_period_s); it also expires
-        sessions idle past models.cache_idle_s, so that a replica no call reaches any more
-        frees the caches stranded on it."""
+        """Serve's periodic health check (every health_check_period_s): it fails while the
+        compute path is broken, and it also expires sessions idle past models.cache_idle_s, so
+        that a replica no call reaches any more frees the caches stranded on it.
+
+        Raises:
+            ComputeUnhealthy: a batch has run past models.stuck_forward_s, or the last
+                models.max_forward_failures batches raised in a forward; after Serve's
+                threshold of failed checks it replaces this replica.
+        """
         dropped = self.side.sessions.expire()
         if dropped:
             log.info("expired %d idle session caches", dropped)
             self._report_cache()
+        problem = self._watchdog.problem()
+        if problem is not None:
+            log.error("unhealthy: %s", problem)
+            raise ComputeUnhealthy(problem)
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         response = self.side.release(request)
@@ -153,6 +205,10 @@ class ModelReplica:
 
     async def replica_id(self) -> str:
         """This replica's Serve id (tests and operators use it to find a session's replica)."""
+        return self._replica_id()
+
+    @staticmethod
+    def _replica_id() -> str:
         from ray import serve
 
         return serve.get_replica_context().replica_id.unique_id

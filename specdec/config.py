@@ -175,6 +175,21 @@ class ModelConfig(_Section):
     in, so a lone request never waits; without any wait (0) concurrent streams keep alternating
     instead of sharing forwards (specdec.deployments.batching)."""
 
+    stuck_forward_s: float = 300.0
+    """Seconds one batch of forwards may run on a draft or target replica before its health
+    check fails (a hung device or a deadlock), so that Serve replaces it
+    (specdec.worker.compute_health). Above the longest legitimate batch: a long prompt's
+    prefill on a CPU can take a minute, and `batch_prefill_s` bounds the rest of a batch's.
+    Serve checks every `health_check_period_s` (a deployment option, 10 s by default) and
+    replaces a replica after 3 failed checks in a row."""
+
+    max_forward_failures: int = 3
+    """Batches in a row whose forwards raised (a device error, not a request's own invalid
+    input) after which a draft or target replica's health check fails and the replica refuses
+    new calls, which the router sends to another replica, until Serve replaces it
+    (specdec.worker.compute_health). A batch without a forward error resets the count; a
+    failing row fails only its own call."""
+
     def for_side(self, side: str) -> tuple[str | None, str]:
         """(model, dtype) that the "draft" or "target" side loads."""
         if side == "draft":
@@ -237,6 +252,9 @@ class ModelConfig(_Section):
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 1)
         _at_least("batch_prefill_s", self.batch_prefill_s, 0)
+        stuck_s = self.stuck_forward_s
+        _require("stuck_forward_s", stuck_s > 0, f"must be > 0 seconds, got {stuck_s}")
+        _at_least("max_forward_failures", self.max_forward_failures, 1)
         _require(
             "batch_wait_fraction",
             0 <= self.batch_wait_fraction <= 1,

@@ -25,6 +25,14 @@ class ConfigError(FieldError):
     before any model is loaded."""
 
 
+class ComputeUnhealthy(RuntimeError):
+    """A replica's compute path is broken: a forward has run past ``models.stuck_forward_s`` or
+    ``models.max_forward_failures`` batches in a row raised (specdec.worker.compute_health).
+    The replica's health check raises it, so Serve replaces the replica, and so do the calls
+    the replica refuses meanwhile; the router sends those again (they never ran), and Serve
+    routes them to a live replica once this one has left rotation."""
+
+
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded, or the draft and target do not fit together."""
 

@@ -68,7 +68,7 @@ class DraftProposer(SessionModel):
 
     def propose_batch(
         self, requests: list[worker_pb2.ProposeRequest]
-    ) -> list[worker_pb2.ProposeResponse | ValueError]:
+    ) -> list[worker_pb2.ProposeResponse | Exception]:
         """propose() for several sessions at once: each draft step runs the sessions still
         drafting as one packed forward (specdec.worker.packed), one row each (the catch-up rows
         first), and a session leaves the batch when its k or its confidence stop ends its
@@ -82,7 +82,8 @@ class DraftProposer(SessionModel):
         Returns:
             Per request, in order: its ProposeResponse (catchup_s: the catch-up forward's
             seconds, compute_s: the whole batch's, or at k = 0, all catch-up, catchup_s), the
-            ValueError its input raised, or DEFERRED (a prefill past the batch's prefill
+            ValueError its input raised, the exception its forward raised on its own (as
+            TargetVerifier.verify_batch), or DEFERRED (a prefill past the batch's prefill
             budget, SessionModel.run_batch).
         """
         start = time.perf_counter()

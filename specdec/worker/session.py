@@ -88,7 +88,7 @@ class SessionModel:
         requests: list[Request],
         run_distinct: Callable[[list[Request]], list[Response]],
         check: Callable[[Request], None] = lambda request: None,
-    ) -> list[Response | ValueError]:
+    ) -> list[Response | Exception]:
         """Runs a batch of calls, each request carrying its ``session`` (SessionTokens).
 
         A request that ``check`` (or the session tokens' own check) refuses gets its ValueError
@@ -100,8 +100,17 @@ class SessionModel:
         ``run_distinct`` in passes of distinct sessions, so a session named twice runs its
         later calls in later passes, in order.
 
+        A failing row fails its own call, not its batch: when a pass of several sessions raises
+        (any Exception: a forward error), each of its calls runs again alone (_run_alone), and
+        only those that raise alone get their exception (a pass of one gets its error at once).
+        The failed pass dropped the caches of all its sessions (checked_out), so a call that
+        continues a session answers cache_miss on its second try and the router resends its
+        whole sequence, which rebuilds the session exactly (specdec.worker.kv_cache); a prefill
+        runs again from its prompt.
+
         Returns:
-            Per request, in order: run_distinct's response for it, its ValueError, or DEFERRED.
+            Per request, in order: run_distinct's response for it, its ValueError, the
+            exception its forward raised alone, or DEFERRED.
         """
         results: list = [None] * len(requests)
         checked = []
@@ -119,7 +128,13 @@ class SessionModel:
         while todo:
             seen: set[str] = set()
             now = [i for i in todo if _first_sight(requests[i].session.session_id, seen)]
-            for i, response in zip(now, run_distinct([requests[i] for i in now])):
+            try:
+                responses = run_distinct([requests[i] for i in now])
+            except Exception as error:  # noqa: BLE001 - a forward's error: rows tried alone
+                responses = [error]
+                if len(now) > 1:
+                    responses = [_run_alone(requests[i], run_distinct) for i in now]
+            for i, response in zip(now, responses):
                 results[i] = response
             todo = [i for i in todo if i not in now]
         return results
@@ -176,6 +191,15 @@ class SessionModel:
 
     def cache_stats(self) -> worker_pb2.CacheStats:
         return self.sessions.stats()
+
+
+def _run_alone(request: Request, run_distinct: Callable[[list[Request]], list[Response]]):
+    """``run_distinct`` over the one request: its response, or the Exception it raised."""
+    try:
+        (response,) = run_distinct([request])
+    except Exception as error:  # noqa: BLE001 - the call's own failure, returned to it alone
+        return error
+    return response
 
 
 def _check_tokens(tokens: worker_pb2.SessionTokens) -> None:

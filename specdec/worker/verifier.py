@@ -85,7 +85,7 @@ class TargetVerifier(SessionModel):
 
     def verify_batch(
         self, requests: list[worker_pb2.VerifyRequest]
-    ) -> list[worker_pb2.VerifyResponse | ValueError]:
+    ) -> list[worker_pb2.VerifyResponse | Exception]:
         """verify() for several sessions at once: their rows run packed in shared forwards
         (specdec.worker.packed), each session attending over its own cache, then each is
         accepted on its own (its own k, sampling parameters and seed).
@@ -98,9 +98,11 @@ class TargetVerifier(SessionModel):
         Returns:
             Per request, in order: its VerifyResponse (compute_s: the whole batch's seconds,
             the time the call waited on the model), or the ValueError its input raised, which
-            leaves that session as it was and the others unaffected, or DEFERRED (a prefill
-            past the batch's prefill budget, SessionModel.run_batch). A session named twice
-            runs its later calls in later forwards, in order.
+            leaves that session as it was and the others unaffected, or the exception its
+            forward raised on its own (the others then answer as usual, a cache_miss where the
+            failed shared forward dropped their caches; SessionModel.run_batch), or DEFERRED (a
+            prefill past the batch's prefill budget). A session named twice runs its later
+            calls in later forwards, in order.
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._verify_distinct, _check_q)

@@ -55,8 +55,10 @@ def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
     # the call is submitted again each time, as the same (arrival, request), and returns the
     # response of the batch that ran it.
     import asyncio
+    import types
 
     from specdec.deployments.model_replica import ModelReplica
+    from specdec.worker.compute_health import ComputeWatchdog
     from specdec.worker.session import DEFERRED
 
     answers, seen = [DEFERRED, DEFERRED, "response"], []
@@ -65,6 +67,7 @@ def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
         seen.append(item)
         return answers[len(seen) - 1]
 
-    result = asyncio.run(ModelReplica._batched(None, batched, "request"))
+    replica = types.SimpleNamespace(_watchdog=ComputeWatchdog(300, 3))  # a healthy one
+    result = asyncio.run(ModelReplica._batched(replica, batched, "request"))
     assert result == "response"
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2] and seen[0][1] == "request"
