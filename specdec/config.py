@@ -18,11 +18,10 @@ import logging
 import math
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any
 
+from specdec.config_fields import Section, at_least, require
 from specdec.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,27 +48,10 @@ CPU_ONLY = ("int8", "dnnl", "bf16w")  # the dtypes and GEMMs that run on a CPU o
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-class _Section:
-    """What the concerns share: each value checked against its field's annotation (ints and
-    floats never accept a bool; a float field accepts an int and stores it as a float), then the
-    concern's own range checks (``_check``)."""
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for field in dataclasses.fields(self):
-            value = _typed(field.name, getattr(self, field.name), hints[field.name])
-            object.__setattr__(self, field.name, value)
-        self._check()
-
-    def _check(self) -> None:
-        """Raises ConfigError naming the first setting out of its range."""
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """models: which draft and target to load, in what dtype, where, and their caches."""
 
     draft_model: str | None = None
@@ -219,10 +201,10 @@ class ModelConfig(_Section):
 
     def _check(self) -> None:
         for name in ("draft_model", "target_model"):
-            _require(name, getattr(self, name) != "", "must not be empty")
+            require(name, getattr(self, name) != "", "must not be empty")
         for dtype_name, gemm_name in _DTYPE_AND_GEMM.values():
             self._read_combined(dtype_name, gemm_name)
-        _require(
+        require(
             "device",
             _DEVICE.fullmatch(self.device) is not None,
             f"must be cpu, cuda, cuda:N, mps or xpu, got {self.device!r}",
@@ -230,12 +212,12 @@ class ModelConfig(_Section):
         for side, (dtype_name, gemm_name) in _DTYPE_AND_GEMM.items():
             for name, allowed in ((dtype_name, MODEL_DTYPES), (gemm_name, MODEL_GEMMS)):
                 value = getattr(self, name)
-                _require(
+                require(
                     name,
                     value is None or value in allowed,
                     f"must be one of {list(allowed)}, got {value!r}",
                 )
-                _require(
+                require(
                     name,
                     self.device.startswith("cpu") or value not in CPU_ONLY,
                     f"{value} runs on the CPU only, device is {self.device!r}",
@@ -243,19 +225,19 @@ class ModelConfig(_Section):
             # the GEMM setting the side's GEMM comes from (a null one is valid with any dtype)
             named = gemm_name if getattr(self, gemm_name) is not None else "gemm"
             _check_pair(named, self.for_side(side)[1], self.gemm_for(side))
-        _at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
-        _at_least("cache_idle_s", self.cache_idle_s, 0)
-        _at_least("max_batch_size", self.max_batch_size, 1)
-        _require(
+        at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
+        at_least("cache_idle_s", self.cache_idle_s, 0)
+        at_least("max_batch_size", self.max_batch_size, 1)
+        require(
             "runner", self.runner in RUNNERS, f"must be one of {list(RUNNERS)}, got {self.runner!r}"
         )
         if self.max_model_len is not None:
-            _at_least("max_model_len", self.max_model_len, 1)
-        _at_least("batch_prefill_s", self.batch_prefill_s, 0)
+            at_least("max_model_len", self.max_model_len, 1)
+        at_least("batch_prefill_s", self.batch_prefill_s, 0)
         stuck_s = self.stuck_forward_s
-        _require("stuck_forward_s", stuck_s > 0, f"must be > 0 seconds, got {stuck_s}")
-        _at_least("max_forward_failures", self.max_forward_failures, 1)
-        _require(
+        require("stuck_forward_s", stuck_s > 0, f"must be > 0 seconds, got {stuck_s}")
+        at_least("max_forward_failures", self.max_forward_failures, 1)
+        require(
             "batch_wait_fraction",
             0 <= self.batch_wait_fraction <= 1,
             f"must be within [0, 1], got {self.batch_wait_fraction}",
@@ -269,18 +251,18 @@ class ModelConfig(_Section):
             return
         dtype, _, gemm = value.partition("+")
         combined = [f"{d}+{g}" for d, gemms in DTYPE_GEMMS.items() for g in gemms if g != PLAIN]
-        _require(
+        require(
             dtype_name,
             value in combined,
             f"must be one of {list(MODEL_DTYPES)} (or, deprecated, {combined}), got {value!r}",
         )
-        _require(
+        require(
             dtype_name,
             self.device.startswith("cpu") or gemm not in CPU_ONLY,
             f"{value} runs on the CPU only, device is {self.device!r}",
         )
         given = getattr(self, gemm_name)
-        _require(
+        require(
             gemm_name,
             given in (None, gemm),
             f"{dtype_name} {value!r} names the GEMM {gemm!r} already, got {given!r}",
@@ -292,7 +274,7 @@ class ModelConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class SpeculationConfig(_Section):
+class SpeculationConfig(Section):
     """speculation: how each request's rounds draft and verify."""
 
     max_speculative_tokens: int = 8
@@ -353,20 +335,20 @@ class SpeculationConfig(_Section):
     (docs/engine.md, "Mixed rounds")."""
 
     def _check(self) -> None:
-        _at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
-        _at_least("draft_top_n", self.draft_top_n, 0)
-        _require(
+        at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
+        at_least("draft_top_n", self.draft_top_n, 0)
+        require(
             "proposer",
             self.proposer in PROPOSERS,
             f"must be one of {list(PROPOSERS)}, got {self.proposer!r}",
         )
-        _at_least("ngram_min_n", self.ngram_min_n, 1)
-        _at_least("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
-        _at_least("shared_ngram_bytes", self.shared_ngram_bytes, 0)
+        at_least("ngram_min_n", self.ngram_min_n, 1)
+        at_least("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
+        at_least("shared_ngram_bytes", self.shared_ngram_bytes, 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceConfig(_Section):
+class ServiceConfig(Section):
     """service: the router's timeouts, the limits of a request, and the pools it reports."""
 
     call_timeout_s: float = 20.0
@@ -439,8 +421,8 @@ class ServiceConfig(_Section):
     def _check(self) -> None:
         for name in ("call_timeout_s", "unavailable_after_s", "draft_timeout_s", "draft_retry_s"):
             value = getattr(self, name)
-            _require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
-        _require(
+            require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
+        require(
             "call_timeout_s",
             self.call_timeout_s < self.unavailable_after_s,
             f"must be below unavailable_after_s ({self.unavailable_after_s} s), got "
@@ -454,17 +436,17 @@ class ServiceConfig(_Section):
             "max_stop_string_chars",
             "max_stop_token_ids",
         ):
-            _at_least(name, getattr(self, name), 1)
-        _require(
+            at_least(name, getattr(self, name), 1)
+        require(
             "max_request_bytes",
             self.max_request_bytes > self.max_prompt_bytes,
             f"must be above max_prompt_bytes ({self.max_prompt_bytes}), got "
             f"{self.max_request_bytes}",
         )
         for name in ("draft_pool", "target_pool"):
-            _require(name, getattr(self, name) != "", "must not be empty")
-        _require("api_keys_file", self.api_keys_file != "", "must be a path or null")
-        _require(
+            require(name, getattr(self, name) != "", "must not be empty")
+        require("api_keys_file", self.api_keys_file != "", "must be a path or null")
+        require(
             "api_keys_env",
             self.api_keys_env is None or _ENV_NAME.fullmatch(self.api_keys_env) is not None,
             f"must be an environment variable's name or null, got {self.api_keys_env!r}",
@@ -487,7 +469,7 @@ class SpecdecConfig:
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
             value = getattr(self, name)
-            _require(name, isinstance(value, cls), f"must be a {cls.__name__}, got {value!r}")
+            require(name, isinstance(value, cls), f"must be a {cls.__name__}, got {value!r}")
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> SpecdecConfig:
@@ -501,12 +483,12 @@ class SpecdecConfig:
         """
         if args is None:
             args = {}
-        _require("args", isinstance(args, Mapping), f"must be a mapping, got {args!r}")
+        require("args", isinstance(args, Mapping), f"must be a mapping, got {args!r}")
         config = cls().with_settings(**{str(key): value for key, value in args.items()})
         paths = {}
         for name in ("draft_model", "target_model"):
             value = getattr(config.models, name)
-            _require(name, value is not None, "required (a model directory, id or .gguf path)")
+            require(name, value is not None, "required (a model directory, id or .gguf path)")
             paths[name] = os.path.expandvars(os.path.expanduser(value))
         return config.with_settings(**paths)
 
@@ -526,7 +508,7 @@ class SpecdecConfig:
             config = cls()
         elif not isinstance(config, cls):
             name = next((n for n, c in SECTIONS.items() if isinstance(config, c)), None)
-            _require("config", name is not None, f"must be a config object, got {config!r}")
+            require("config", name is not None, f"must be a config object, got {config!r}")
             config = cls(**{name: config})
         return config.with_settings(**settings) if settings else config
 
@@ -559,7 +541,7 @@ class SpecdecConfig:
         }
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     field.name: field.default_factory for field in dataclasses.fields(SpecdecConfig)
 }
 _SECTION_OF: dict[str, str] = {
@@ -579,28 +561,10 @@ def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
     """
     for old, new in RENAMED.items():
         if old in settings:
-            _require(old, new not in settings, f"is the old name of {new}: give only {new}")
+            require(old, new not in settings, f"is the old name of {new}: give only {new}")
             log.warning("%s is deprecated: it is now called %s", old, new)
             settings = {(new if k == old else k): v for k, v in settings.items()}
     return settings
-
-
-def _typed(name: str, value: Any, hint: Any) -> Any:
-    """``value`` if it fits the annotation ``hint`` (int, float, bool, str, or one of them |
-    None), an int made a float for a float field; raises ConfigError naming ``name``."""
-    optional = isinstance(hint, types.UnionType)
-    base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
-    if value is None and optional:
-        return None
-    if base in (int, float) and isinstance(value, bool):
-        fits = False
-    elif base is float and isinstance(value, int):
-        fits, value = True, float(value)
-    else:
-        fits = isinstance(value, base)
-    words = _TYPE_WORDS[base] + (" or null" if optional else "")
-    _require(name, fits, f"must be {words}, got {value!r} ({type(value).__name__})")
-    return value
 
 
 _DTYPE_AND_GEMM = {"target": ("dtype", "gemm"), "draft": ("draft_dtype", "draft_gemm")}
@@ -615,13 +579,4 @@ def _check_pair(name: str, dtype: str, gemm: str) -> None:
     """Raises ConfigError naming the GEMM setting ``name`` unless ``gemm`` runs ``dtype`` (a
     fixed GEMM runs fixed dtypes: with `auto`, only `auto` or `plain`)."""
     runs = [AUTO, PLAIN] if dtype == AUTO else [AUTO, *DTYPE_GEMMS[dtype]]
-    _require(name, gemm in runs, f"must be one of {runs} with dtype {dtype}, got {gemm!r}")
-
-
-def _require(name: str, ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(name, message)
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    _require(name, value >= low, f"must be at least {low}, got {value}")
+    require(name, gemm in runs, f"must be one of {runs} with dtype {dtype}, got {gemm!r}")
