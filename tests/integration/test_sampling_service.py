@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
-from test_openai_api import http_base_url
+from test_openai_api import _post, http_base_url
 
 from specdec.client import build_request
 from specdec.decoding.request import encode_prompt
@@ -169,13 +168,9 @@ def _http_completion(prompt: str, seed: int, temperature: float, k: int) -> dict
         "num_speculative_tokens": k,
         "logprobs": 0,
     }
-    request = urllib.request.Request(
-        f"{http_base_url()}/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())["choices"][0]
+    status, answer = _post(f"{http_base_url()}/completions", json.dumps(body).encode())
+    assert status == 200, answer
+    return json.loads(answer)["choices"][0]
 
 
 def test_the_same_seed_samples_the_same_tokens_over_http_and_grpc(client):
