@@ -80,6 +80,44 @@ def test_rebuilt_sessions_continue_bitwise_in_the_dtype_auto_chose(real_engine):
     assert real_engine.transport.verifier.sessions.rebuilds > rebuilds
 
 
+REFERENCE_PROMPTS = [
+    PROMPT,
+    "import json\n\ndef load(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "Write a haiku about the sea.",
+]
+
+
+def test_k0_and_speculative_equal_the_reference_decoder(real_engine):
+    """docs/engine.md, "The exactness contract": k = 0 and speculative output equal
+    transformers' model, on the replica's GEMM, decoding one token per forward at the
+    replica's width (bfloat16+dnnl on widths 2-17 on the AMX Xeon, 2026-12-06)."""
+    import torch
+    from reference_decoder import greedy_reference, load_reference
+
+    verifier = real_engine.transport.verifier
+    candidate = verifier.calibration.candidate
+    rows_hint = real_engine.config.speculation.max_speculative_tokens + 1
+    model = load_reference(
+        real_engine.target.name, getattr(torch, candidate.dtype), candidate.gemm, rows_hint
+    )
+    params = SamplingParams(max_new_tokens=32)
+    target = real_engine.target
+    for prompt in REFERENCE_PROMPTS:
+        expected = greedy_reference(
+            model,
+            real_engine.tokenizer(prompt).input_ids,
+            32,
+            width=verifier.exact.width_for(1),
+            vocab_size=target.vocab_size,
+            stop_ids=target.eos_token_ids,
+        )
+        for k in (0, "auto"):
+            out = real_engine.generate(prompt, params, k)
+            assert (out.token_ids, out.logprobs) == expected, (prompt, k)
+    del model
+
+
 def test_seeded_sampling_is_reproducible(real_engine):
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=1234)
     first = real_engine.generate(PROMPT, params, num_speculative_tokens=3)

@@ -12,7 +12,9 @@ import asyncio
 import gc
 
 import pytest
+import torch
 from rebuilds import stream_evicting
+from reference_decoder import transformers_generate
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.models import bundled
@@ -35,22 +37,41 @@ STATIC = {
 }
 
 
-def test_float32_k0_equals_the_dynamic_runner(real_pair_args):
-    """Different attention arithmetic (one masked call over the slot against row-wise calls
-    over each prefix): last-bit differences in the logits, the same greedy tokens. The static
-    engine takes over the dynamic one's loaded models and calibrations (its runner switches
-    their attention), so the pair is loaded and measured once."""
+def test_float32_k0_equals_generate_and_the_static_runner(real_pair_args):
+    """The dynamic runner unpadded (``exact_widths: false``) with F.linear GEMMs: its k = 0 is
+    transformers' ``generate`` of the target, token ids and log-probabilities bit for bit
+    (docs/engine.md, "The exactness contract"). The static runner's attention arithmetic
+    differs (one masked call over the slot against row-wise calls over each prefix): last-bit
+    differences in the logits, the same greedy tokens. The static engine takes over the
+    dynamic one's loaded models and calibrations (its runner switches their attention), so the
+    pair is loaded and measured once."""
+    from transformers import AutoModelForCausalLM
+
+    draft_path, target_path = bundled.bundled_pair("float32")
     dynamic = SpeculativeEngine.from_pretrained(
-        *bundled.bundled_pair("float32"),
+        draft_path,
+        target_path,
         dtype="float32",
+        gemm="plain",
+        draft_gemm="plain",
         exact_widths=False,
         **_cache(real_pair_args),
     )
-    expected = [dynamic.generate(p, GREEDY, 0).token_ids for p in PROMPTS]
+    expected = [dynamic.generate(p, GREEDY, 0) for p in PROMPTS]
+    stock = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    vocab, stops = dynamic.target.vocab_size, dynamic.target.eos_token_ids
+    for prompt, out in zip(PROMPTS, expected):
+        ids = dynamic.tokenizer(prompt).input_ids
+        reference = transformers_generate(
+            stock, ids, GREEDY.max_new_tokens, vocab_size=vocab, stop_ids=stops
+        )
+        assert (out.token_ids, out.logprobs) == reference, prompt
+    del stock
     sides = dynamic.transport
     calibrations = {"draft": sides.proposer.calibration, "target": sides.verifier.calibration}
     static = SpeculativeEngine(dynamic.draft, dynamic.target, calibrations=calibrations, **STATIC)
-    assert [static.generate(p, GREEDY, 0).token_ids for p in PROMPTS] == expected
+    static_tokens = [static.generate(p, GREEDY, 0).token_ids for p in PROMPTS]
+    assert static_tokens == [out.token_ids for out in expected]
     del dynamic, static, sides
     gc.collect()
 

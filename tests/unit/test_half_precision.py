@@ -227,12 +227,17 @@ def test_without_exact_widths_no_exact_widths_are_measured(tiny_pair):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
-def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(tiny_pair, dtype):
+def test_a_calibration_candidate_equals_transformers_own_load_without_copying_float32(
+    tiny_pair, dtype
+):
     """cast_model builds each candidate without a float32 copy of the weights (the bundled target's
-    bfloat16 candidate peaked at 12.4 GB that way), and it must still be exactly the model a
-    deepcopy-then-cast gives: same logits bitwise, tied weights still tied (but for int8's
-    quantized lm_head), the float32 model untouched."""
+    bfloat16 candidate peaked at 12.4 GB that way), and it must still be exactly the model
+    transformers loads in that dtype: same logits bitwise, buffers such as the rotary
+    frequencies left in float32 (Module.to would round them), tied weights still tied (but
+    for int8's quantized lm_head), the float32 model untouched."""
     import copy
+
+    from transformers import AutoModelForCausalLM
 
     from specdec.device.calibration.casting import cast_model
     from specdec.models.loading import quantize_int8
@@ -240,11 +245,13 @@ def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(
     model = load_model(tiny_pair[1]).model
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in Qwen2.5-1.5B
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    expected = copy.deepcopy(model)
     if dtype == "int8":
+        expected = copy.deepcopy(model)
         quantize_int8(expected)
     else:
-        expected = expected.to(getattr(torch, dtype))
+        expected = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=getattr(torch, dtype))
+        expected.lm_head.weight = expected.model.embed_tokens.weight
+    assert expected.model.rotary_emb.inv_freq.dtype == torch.float32
     cast = cast_model(model, dtype)
     ids = torch.arange(3, 19).unsqueeze(0)
     with torch.inference_mode():
@@ -254,6 +261,7 @@ def test_a_calibration_candidate_equals_a_cast_deepcopy_without_copying_float32(
         assert cast.lm_head.weight is cast.model.embed_tokens.weight
         assert not float_storages & {p.untyped_storage().data_ptr() for p in cast.parameters()}
         assert all(p.dtype == getattr(torch, dtype) for p in cast.parameters())
+    assert all(b.dtype == torch.float32 for b in cast.buffers() if b.is_floating_point())
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
 

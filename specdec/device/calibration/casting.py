@@ -8,7 +8,6 @@ import copy
 import ctypes
 import ctypes.util
 import gc
-import itertools
 
 import torch
 
@@ -17,19 +16,25 @@ from specdec.models.loading import DTYPES, INT8, quantize_int8
 
 def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """A copy of ``model`` in ``dtype`` (int8: dynamically quantized, from a float32 model on a
-    CPU), equal to ``copy.deepcopy(model).to(dtype)`` (or quantize_int8 of the deepcopy)
-    without ever holding a second set of weights in the model's own dtype: each floating
-    parameter and buffer is cast on its own (float32, bfloat16, float16) or shared with
-    ``model`` (int8: quantization reads the float weights and packs its own). ``model`` itself
-    where ``dtype`` is already its parameters' dtype. Measured need: the bundled target's
-    bfloat16 candidate peaked at 2x its float32 size (12.4 GB) through a whole-model deepcopy,
-    and Ray's memory monitor killed the local cluster's Serve controller on a 24 GiB machine;
-    now it peaks at 1.5x."""
+    CPU): its floating parameters cast (float32, bfloat16, float16) or shared with ``model``
+    (int8: quantization reads the float weights and packs its own), never a second set of
+    weights in the model's own dtype; ``model`` itself where ``dtype`` is already its
+    parameters' dtype.
+
+    Buffers keep their loaded dtype, as transformers' ``from_pretrained(dtype=...)`` leaves
+    them: ``Module.to`` would also round the rotary embedding's float32 ``inv_freq`` to
+    bfloat16, which moved the bundled target's frequencies by up to 0.14% (0.80584 to 0.80469),
+    a rotation error that grows with the position, and its bfloat16 log-probabilities by up to
+    0.05 nats from transformers' own bfloat16 model (found by tests/reference_decoder.py).
+
+    Measured need for the per-tensor cast: the bundled target's bfloat16 candidate peaked at 2x
+    its float32 size (12.4 GB) through a whole-model deepcopy, and Ray's memory monitor killed
+    the local cluster's Serve controller on a 24 GiB machine; now it peaks at 1.5x."""
     if dtype in DTYPES and DTYPES[dtype] == _parameter_dtype(model):
         return model
     quantize = dtype == INT8
     memo: dict[int, torch.Tensor] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
+    for tensor in model.parameters():
         if tensor.is_floating_point():
             memo[id(tensor)] = tensor if quantize else _converted(tensor, DTYPES[dtype])
     copied = copy.deepcopy(model, memo)
