@@ -82,10 +82,10 @@ def test_rebuilt_sessions_continue_bitwise_in_the_dtype_auto_chose(real_engine):
 
 REFERENCE_PROMPTS = [
     PROMPT,
-    "import json\n\ndef load(path):\n",
     "class Stack:\n    def __init__(self):\n",
     "Write a haiku about the sea.",
 ]
+REFERENCE_TOKENS = 24
 
 
 def test_k0_and_speculative_equal_the_reference_decoder(real_engine):
@@ -101,13 +101,13 @@ def test_k0_and_speculative_equal_the_reference_decoder(real_engine):
     model = load_reference(
         real_engine.target.name, getattr(torch, candidate.dtype), candidate.gemm, rows_hint
     )
-    params = SamplingParams(max_new_tokens=32)
+    params = SamplingParams(max_new_tokens=REFERENCE_TOKENS)
     target = real_engine.target
     for prompt in REFERENCE_PROMPTS:
         expected = greedy_reference(
             model,
             real_engine.tokenizer(prompt).input_ids,
-            32,
+            REFERENCE_TOKENS,
             width=verifier.exact.width_for(1),
             vocab_size=target.vocab_size,
             stop_ids=target.eos_token_ids,
