@@ -120,11 +120,18 @@ def test_malformed_messages_are_invalid_argument_with_a_plain_message(client, me
 
 
 def _outcome(client):
+    """(status code, details, time.monotonic() when the answer came) of a short request."""
     try:
         client.generate(build_request(PROMPTS[0], max_new_tokens=4), timeout_s=120)
     except grpc.RpcError as err:
-        return err.code(), err.details()
-    return grpc.StatusCode.OK, ""
+        return err.code(), err.details(), time.monotonic()
+    return grpc.StatusCode.OK, "", time.monotonic()
+
+
+def _ends(stream):
+    """(tokens, time.monotonic() at its last message) of a stream read to its end."""
+    tokens = [t for message in stream for t in message.token_ids]
+    return tokens, time.monotonic()
 
 
 def _running_stream(client, request, wait_s: float = 60.0):
@@ -149,7 +156,8 @@ def test_past_the_router_queue_requests_are_refused_at_once(client):
     requests succeed (below the limit nothing is refused)."""
     long = build_request(PROMPTS[3], max_new_tokens=230, num_speculative_tokens=1)
     holders = [_running_stream(client, long) for _ in range(ROUTER_ONGOING)]
-    with concurrent.futures.ThreadPoolExecutor(QUEUED + 3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(ROUTER_ONGOING + QUEUED + 3) as pool:
+        ends = [pool.submit(_ends, stream) for stream in holders]
         queued = [pool.submit(lambda: list(client.generate_stream(long))) for _ in range(QUEUED)]
         time.sleep(1.0)  # the queued ones reach the proxy's queue
         extra = [pool.submit(_outcome, client) for _ in range(3)]
@@ -157,12 +165,15 @@ def test_past_the_router_queue_requests_are_refused_at_once(client):
         refused = [e for e in extra if e[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert refused, extra
         assert all(
-            code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED) for code, _ in extra
+            code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED) for code, _, _ in extra
         )
-        assert all("backpressure" in details for _, details in refused), refused
-        # "At once": refused while every stream holding the router still had tokens to send.
-        for stream in holders:
-            assert sum(len(m.token_ids) for m in stream) > 0
+        assert all("backpressure" in details for _, details, _ in refused), refused
+        # "At once": every refusal came before any stream holding the router had ended (the
+        # router was still full), not after a wait for a slot.
+        ended = [future.result() for future in ends]
+        assert all(tokens for tokens, _ in ended)
+        first_end = min(end for _, end in ended)
+        assert all(answered < first_end for _, _, answered in refused), (refused, first_end)
         for future in queued:
             assert future.result()[-1].finish_reason in ("stop", "length")
     for _ in range(ROUTER_ONGOING + QUEUED + 1):  # sequential: never past the limit
