@@ -9,6 +9,7 @@ see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dt
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -16,6 +17,7 @@ from local_service import LOCAL_CONFIG
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams
+from specdec.device.calibration.casting import return_freed_memory
 from specdec.models import bundled
 
 pytestmark = pytest.mark.e2e
@@ -35,16 +37,29 @@ PROMPT = (
 
 @pytest.fixture(scope="module")
 def real_engine(real_pair_args):
-    """Module-scoped: its memory is freed before the service tests load the pair again."""
+    """Module-scoped: its memory is freed, and handed back to the OS, before the service tests
+    load the pair again (with this process holding 6.6 GB, Ray's memory monitor killed their
+    Serve controller over and over on a 24 GiB machine)."""
     from specdec import SpeculativeEngine
     from specdec.deployments.deploy import app_config, load_config
 
     config = app_config(load_config(LOCAL_CONFIG, real_pair_args))
     if DTYPE:  # that dtype's conversion of the pair (float16 has its own)
-        return SpeculativeEngine.from_pretrained(*bundled.bundled_pair(DTYPE), config, dtype=DTYPE)
-    return SpeculativeEngine.from_pretrained(
-        config.models.draft_model, config.models.target_model, config
-    )
+        engine = SpeculativeEngine.from_pretrained(
+            *bundled.bundled_pair(DTYPE), config, dtype=DTYPE
+        )
+    else:
+        engine = SpeculativeEngine.from_pretrained(
+            config.models.draft_model, config.models.target_model, config
+        )
+    yield engine
+    del engine
+    _free_memory()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    return_freed_memory()
 
 
 def test_pair_shares_the_qwen_tokenizer(real_engine):
@@ -116,6 +131,7 @@ def test_k0_and_speculative_equal_the_reference_decoder(real_engine):
             out = real_engine.generate(prompt, params, k)
             assert (out.token_ids, out.logprobs) == expected, (prompt, k)
     del model
+    _free_memory()
 
 
 def test_seeded_sampling_is_reproducible(real_engine):

@@ -18,6 +18,7 @@ from local_service import LOCAL_CONFIG, free_port, serving
 
 from specdec.client import build_request
 from specdec.device.calibration.candidates import candidates
+from specdec.device.calibration.casting import return_freed_memory
 from specdec.models import bundled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -38,7 +39,8 @@ CHAT = [{"role": "user", "content": "Name three uses of a hash map, one line eac
 @pytest.fixture(scope="module")
 def real_deploy(tmp_path_factory, real_pair_args):
     """(client, whether calibrations of this test session were there to reuse)."""
-    gc.collect()  # the in-process engine of test_real_pair, if it ran
+    gc.collect()  # the in-process engine of test_real_pair, if it ran ...
+    return_freed_memory()  # ... and its heap back to the OS, for the replicas about to load
     tmp = tmp_path_factory.mktemp("real-pair")
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     port = free_port()
