@@ -39,6 +39,7 @@ def serving(
     ClusterInfo, gRPC address); afterwards shuts Serve down, disconnects and stops exactly that
     cluster."""
     import ray
+    from ray import serve
 
     from specdec.cluster.local import LocalCluster
     from specdec.deployments.deploy import deploy
@@ -50,7 +51,6 @@ def serving(
             with SpecdecClient(address, timeout_s=call_timeout_s) as client:
                 yield client, info, address
         finally:
-            # No serve.shutdown(): down() stops every process of the cluster anyway, and a
-            # graceful shutdown waits on the replicas of a dead node (24 s after a node loss).
             if ray.is_initialized():
+                serve.shutdown()
                 ray.shutdown()
