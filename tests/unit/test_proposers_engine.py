@@ -102,7 +102,8 @@ def test_the_shared_index_holds_completions_only_when_turned_on(tiny_pair, engin
     shared = SpeculativeEngine.from_pretrained(*tiny_pair, shared_ngram_bytes=2**20)
     first = shared.generate(PROMPTS[0], GREEDY, proposer="ngram")
     assert len(shared.shared_ngrams) > 0
-    # A second request with the same prompt can now copy the first one's completion.
-    again = shared.generate(PROMPTS[0], GREEDY, proposer="ngram")
+    # A second request with the same prompt can now copy the first one's completion. At a
+    # fixed k every match is proposed whole (under auto, measured costs price each one).
+    again = shared.generate(PROMPTS[0], GREEDY, 4, proposer="ngram")
     assert again.token_ids == first.token_ids
     assert again.stats.ngram_accepted_tokens >= len(first.token_ids) // 2
