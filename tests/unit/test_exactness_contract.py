@@ -4,7 +4,7 @@ share no code with specdec's decoding: transformers' ``generate`` and tests/refe
 On the tiny pair, 200 greedy tokens a prompt, with plain GEMMs in float32 (24 prompts) and in
 bfloat16 (12, whose row-wise reference is the slower):
 
-- every path (k = 0, a fixed k, k auto, a batch of every prompt) gives the reference decoder's
+- every path (k = 0, k auto, a batch of every prompt at k = 4) gives the reference decoder's
   tokens and bitwise its log-probabilities, the reference run at the replica's own width for a
   lone row (ExactWidths.width_for(1), which this replica measured);
 - the reference at width 1 is transformers' ``generate`` bit for bit (float32), so where a
@@ -84,7 +84,7 @@ def test_every_path_equals_the_reference_decoder_at_the_replicas_width(case):
 def test_the_reference_at_width_one_and_unpadded_k0_are_transformers_generate(tiny_pair):
     """float32: ``generate`` on a third load of the target (transformers' own attention) equals
     the reference decoder at width 1 and the engine's k = 0 with ``exact_widths: false``.
-    The target's padded embedding rows are suppressed in ``generate`` (_generate)."""
+    The target's padded embedding rows are suppressed in ``generate`` (transformers_generate)."""
     draft, target = tiny_pair
     plain = SpeculativeEngine.from_pretrained(draft, target, dtype="float32", exact_widths=False)
     stock = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
