@@ -14,6 +14,8 @@ from types import ModuleType
 
 import grpc
 
+from specdec import __version__
+
 # subcommand -> (module with add_cli_args(parser) and main(args) -> int, one-line help).
 # Only the chosen subcommand's module is imported: its imports are its own business.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -77,10 +79,11 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, ModuleType |
 
     Every subcommand is listed (with its help) but only the named one gets its flags, so only
     its module is imported. The command is the first argument not starting with "-" (the top
-    level has no options but --help); with none, or an unknown one, the module is None and
-    parse_args reports the error.
+    level has no options but --help and --version); with none, or an unknown one, the module
+    is None and parse_args reports the error.
     """
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     module = None

@@ -48,6 +48,15 @@ def engine(tiny_pair):
     return SpeculativeEngine.from_pretrained(draft, target)
 
 
+@pytest.fixture(scope="session")
+def width_set_engine(tiny_pair):
+    """The tiny pair in bfloat16 with a target whose exact widths form several sets
+    (tests/width_sets.py): the multi-width padding in half precision."""
+    from width_sets import width_set_engine as build
+
+    return build(*tiny_pair)
+
+
 @pytest.fixture
 def force_confidence_stop(monkeypatch):
     """force(k, floor): every adaptive (k "auto") round then drafts up to k tokens and stops on

@@ -22,10 +22,12 @@ def write_config(
     target: Path,
     autoscaling: dict[str, dict] | None = None,
     shipped_timeouts: bool = False,
+    target_env: dict[str, str] | None = None,
     **args: object,
 ) -> tuple[Path, int]:
     """The shipped local config with the tiny pair, free ports and short timeouts (the shipped
-    ones with ``shipped_timeouts``).
+    ones with ``shipped_timeouts``); ``target_env`` adds environment variables to the
+    TargetModel replicas'.
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
@@ -50,6 +52,8 @@ def write_config(
         )
     app["args"].update(args)
     for deployment in app["deployments"]:
+        if deployment["name"] == "TargetModel":
+            deployment["ray_actor_options"]["runtime_env"]["env_vars"].update(target_env or {})
         if autoscaling is None:
             deployment.pop("autoscaling_config")
             deployment["num_replicas"] = 2 if deployment["name"] == "TargetModel" else 1
@@ -73,13 +77,13 @@ def _single_threaded(deployment: dict) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_pair):
-    """A factory: ``with tiny_service(tmp, autoscaling=None, shipped_timeouts=False, **args)
-    as (client, info, address):`` the tiny pair served on a fresh local cluster of its own
-    (see write_config, serving)."""
+    """A factory: ``with tiny_service(tmp, autoscaling=None, shipped_timeouts=False,
+    target_env=None, **args) as (client, info, address):`` the tiny pair served on a fresh
+    local cluster of its own (see write_config, serving)."""
     pytest.importorskip("ray")
 
-    def start(tmp, autoscaling=None, shipped_timeouts=False, **args):
-        config = write_config(tmp, *tiny_pair, autoscaling, shipped_timeouts, **args)
+    def start(tmp, autoscaling=None, shipped_timeouts=False, target_env=None, **args):
+        config = write_config(tmp, *tiny_pair, autoscaling, shipped_timeouts, target_env, **args)
         return serving(tmp, *config)
 
     return start

@@ -1,9 +1,12 @@
 """Draft and target autoscale on their own load, and no request is lost or changed meanwhile.
 
 Its own local cluster (a separate state dir), started and stopped by this module, so no other
-module's damage (test_serving kills a node) can reach it. The autoscaling configs are the
-shipped ones with the delays shrunk from minutes to seconds; load comes from specdec.bench.loadtest
-with Stages that end on a scaling event (``until``) rather than after a guessed time.
+module's damage (test_serving kills a node) can reach it. The model deployments scale at the
+shipped target of ongoing requests per replica (local.yaml: a full batch, 8), with the delays
+shrunk from minutes to seconds; the router at 3 (shipped 64: it would need hundreds of streams
+on two cores), so that its scale-down, which drains live streams, happens in every run. Load
+comes from specdec.bench.loadtest with Stages that end on a scaling event (``until``) rather
+than after a guessed time.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import asyncio
 import sys
 
 import pytest
+import yaml
+from local_service import LOCAL_CONFIG
 
 from specdec import SamplingParams
 from specdec.bench.loadtest import LoadTest, Stage, build_requests, run
@@ -26,9 +31,26 @@ pytestmark = [
 ]
 DRAFT, TARGET, ROUTER = "DraftModel", "TargetModel", "SpeculativeRouter"
 MAX_NEW_TOKENS = 48
-CONCURRENCY = 6
-# AUTOSCALING: the soak's delays of seconds, 1..2 replicas each. The router scales too (6
-# clients / 3 per replica): its scale-down drains live streams.
+
+
+def _shipped_target(name: str) -> int:
+    """The shipped local config's target_ongoing_requests of deployment ``name``."""
+    app = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]
+    deployment = next(d for d in app["deployments"] if d["name"] == name)
+    return deployment["autoscaling_config"]["target_ongoing_requests"]
+
+
+# The soak's delays of seconds and 1..2 replicas each (AUTOSCALING); the models' shipped targets.
+SCALING = {
+    **AUTOSCALING,
+    **{
+        name: {**AUTOSCALING[name], "target_ongoing_requests": _shipped_target(name)}
+        for name in (DRAFT, TARGET)
+    },
+}
+# Three times a model replica's target (as 6 clients were at the soak's target of 2): the busy
+# side then asks for 3 replicas and gets its maximum, 2.
+CONCURRENCY = 3 * max(SCALING[name]["target_ongoing_requests"] for name in (DRAFT, TARGET))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +60,7 @@ def autoscaled(tmp_path_factory, tiny_service):
     # is what Serve's autoscaler reads. With batching, the draft's 8 steps for 6 sessions are 8
     # shared forwards, and whether it or the target queues more became a race (CI, stop 19).
     tmp = tmp_path_factory.mktemp("autoscaling")
-    with tiny_service(tmp, AUTOSCALING, max_batch_size=1) as (_, info, address):
+    with tiny_service(tmp, SCALING, max_batch_size=1) as (_, info, address):
         yield address, info.address
 
 

@@ -1,8 +1,11 @@
-"""Bitwise exact after a replica loss in half precision (issue 11, item 2): the tiny pair served
-in bfloat16; a target replica holding sessions is killed mid-request, the sessions are rebuilt
-on the other replica (which reused the first one's start-up calibration after its own
-exactness check, see tests/conftest.py) and continue with the same token ids and
-logprobs as the undisturbed run, which equals the service's target alone (k = 0).
+"""Bitwise exact after a replica loss in half precision (issue 11, item 2), through the
+multi-width code (issue 46, item 2): the tiny pair served in bfloat16 with a target whose exact
+widths form several sets (tests/width_sets.py, installed in the TargetModel replicas by
+tests/width_set_site/sitecustomize.py; the tiny target's own bfloat16 calibration keeps a single
+width). A target replica holding sessions is killed mid-request, the sessions are rebuilt on
+the other replica (which reused the first one's start-up calibration after its own exactness
+check) and continue with the same token ids and logprobs as the undisturbed run, which equals
+the service's target alone (k = 0).
 
 The reference is the service's own k = 0, not an engine in this process: in half precision a
 row's result depends on the width it is padded to, and a process that measures its own exact
@@ -13,11 +16,13 @@ width, the two picked different widths, and a logprob differed in the 5th signif
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 from array import array
 
 import pytest
 from test_serving import _cache_stats_per_replica, _kill, _replicas, _wait_until
+from width_sets import SET_STARTS, service_env
 
 from specdec.client import build_request
 from specdec.models.tiny import PROMPTS
@@ -29,9 +34,20 @@ CASES = [(prompt, k) for prompt, k in zip(PROMPTS[:6], [3, None, 3, None, 1, 3])
 
 
 @pytest.fixture(scope="module")
-def half_service(tmp_path_factory, tiny_service):
-    with tiny_service(tmp_path_factory.mktemp("bf16"), dtype=DTYPE) as (client, _, _):
+def half_service(tmp_path_factory, tiny_service, tiny_pair):
+    tmp = tmp_path_factory.mktemp("bf16")
+    env = service_env(tiny_pair[1], tmp / "calibrations")
+    # The shipped timeouts: a killed replica's calls fail at once and are retried.
+    with tiny_service(tmp, shipped_timeouts=True, dtype=DTYPE, target_env=env) as (client, _, _):
         yield client
+
+
+def test_the_target_pads_to_several_widths_of_one_set(half_service):
+    calibration = half_service.model_info().target_calibration
+    assert calibration.dtype == DTYPE
+    widths = list(calibration.exact_widths)
+    assert len(widths) > 1
+    assert len({bisect.bisect_right(SET_STARTS, w) for w in widths}) == 1
 
 
 @pytest.fixture(scope="module")

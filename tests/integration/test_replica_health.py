@@ -21,6 +21,7 @@ from specdec.client import build_request
 from specdec.config import APPLICATION
 from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
+from specdec.worker.faults import FAULT_DIR_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +52,7 @@ def service(tmp_path_factory, tiny_pair):
         *tiny_pair,
         stuck_forward_s=STUCK_FORWARD_S,
         max_forward_failures=MAX_FORWARD_FAILURES,
+        target_env={FAULT_DIR_ENV: str(faults)},
         call_timeout_s=8,
         unavailable_after_s=60,
     )
@@ -62,7 +64,6 @@ def service(tmp_path_factory, tiny_pair):
         health_check_timeout_s=5,
         graceful_shutdown_timeout_s=1,  # a hung call never ends: stop the replica soon
     )
-    target["ray_actor_options"]["runtime_env"]["env_vars"]["SPECDEC_FAULT_DIR"] = str(faults)
     path.write_text(yaml.safe_dump(config))
     with serving(tmp, path, port) as (client, _, _):
         yield client, faults

@@ -18,8 +18,12 @@ from specdec.worker.session import DEFERRED
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-width-sets"])
 def built(tiny_pair, request):
+    """The tiny pair in each dtype; in bfloat16 also with a target of several exact-width sets
+    (tests/width_sets.py), whose packed rows pad to several widths."""
+    if request.param == "bfloat16-width-sets":
+        return request.getfixturevalue("width_set_engine")
     draft, target = tiny_pair
     return SpeculativeEngine.from_pretrained(draft, target, dtype=request.param)
 

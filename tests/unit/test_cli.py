@@ -46,6 +46,12 @@ def test_every_subcommand_help(capsys, argv):
     assert _help(capsys, [*argv, "--help"]).startswith(f"usage: specdec {' '.join(argv)}")
 
 
+def test_version_prints_the_package_version_and_exits_0(capsys):
+    from importlib.metadata import version
+
+    assert _help(capsys, ["--version"]).strip() == f"specdec {version('specdec')}"
+
+
 def test_bad_flag_is_a_usage_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--limit", "0"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import pytest
 import torch
 from rebuilds import stream_evicting
@@ -120,13 +122,21 @@ def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
         ExactWidths((2,), costs).width_for(3)
 
 
+@pytest.fixture(params=["one-width", "width-sets"])
+def half_engine(request):
+    """The tiny pair in bfloat16: as calibrated (one exact width) and with a target whose exact
+    widths form several sets (tests/width_sets.py)."""
+    name = "bf16_engine" if request.param == "one-width" else "width_set_engine"
+    return request.getfixturevalue(name)
+
+
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
-def test_exact_widths_make_target_logits_independent_of_k(bf16_engine, k):
+def test_exact_widths_make_target_logits_independent_of_k(half_engine, k):
     # Bitwise equality of the logprobs: each position's logits come from a forward of the same
     # width whatever k is, so not even the last bit of bfloat16 rounding may differ.
     for prompt in PROMPTS:
-        expected = bf16_engine.generate(prompt, GREEDY, 0)
-        out = bf16_engine.generate(prompt, GREEDY, k)
+        expected = half_engine.generate(prompt, GREEDY, 0)
+        out = half_engine.generate(prompt, GREEDY, k)
         assert out.token_ids == expected.token_ids, (prompt, k)
         assert out.logprobs == expected.logprobs, (prompt, k)
 
@@ -185,6 +195,15 @@ def test_a_rebuilt_session_continues_bitwise_as_the_uninterrupted_one(request, c
     built = SpeculativeEngine.from_pretrained(
         draft, target, dtype=candidate.dtype, gemm=candidate.gemm
     )
+    _rebuilds_continue_bitwise(built)
+
+
+def test_a_rebuilt_session_of_a_several_width_target_continues_bitwise(width_set_engine):
+    # The replay pads its pieces to the widths of the set, as the lost session's forwards were.
+    _rebuilds_continue_bitwise(width_set_engine)
+
+
+def _rebuilds_continue_bitwise(built: SpeculativeEngine) -> None:
     verifier = built.transport.verifier
     rebuilds = verifier.sessions.rebuilds
     sides = (built.transport.proposer, verifier)
@@ -326,6 +345,32 @@ def test_a_half_precision_set_is_checked_only_where_a_split_would_show(tiny_pair
 def test_a_half_precision_target_of_a_tiny_model_keeps_one_exact_width(bf16_engine):
     # Its layers are too small for a split set to show within the check: single widths only.
     assert len(bf16_engine.transport.verifier.exact.widths) == 1
+
+
+def test_a_width_set_target_is_calibrated_to_a_set_of_several_widths(width_set_engine, tiny_pair):
+    # The injected sets are real: the linear-layer measurement finds exactly them, the
+    # whole-model check passes a set and fails a pair of widths across two, and the calibration
+    # keeps several widths of one set (so the tests on width_set_engine pad to several widths).
+    from width_sets import SET_STARTS, use_width_sets
+
+    from specdec.device.exact_widths import (
+        measure_exact_width_sets,
+        use_row_wise_attention,
+        whole_forward_exact,
+    )
+
+    widths = width_set_engine.transport.verifier.exact.widths
+    assert len(widths) > 1
+    assert len({bisect.bisect_right(SET_STARTS, w) for w in widths}) == 1
+    loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
+    use_width_sets(loaded.model)
+    use_row_wise_attention(loaded.model)
+    generator = torch.Generator().manual_seed(0)
+    sets = measure_exact_width_sets(loaded.model, 12, generator=generator, elements=1_000)
+    assert sets == [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    args = (loaded.model, loaded.vocab_size)
+    assert whole_forward_exact(*args, (2, 3, 4), generator, max_trials=4)
+    assert not whole_forward_exact(*args, (4, 5), generator, max_trials=1)
 
 
 def test_a_checkable_half_precision_set_gets_the_longer_check(tiny_pair, monkeypatch):
