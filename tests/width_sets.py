@@ -39,6 +39,11 @@ WIDTH_SETS_ENV = "SPECDEC_TEST_WIDTH_SETS"  # a replica's target path (install_f
 SITE = Path(__file__).resolve().parent / "width_set_site"
 
 
+def set_of(rows: int) -> int:
+    """The index in SET_STARTS of the set a call of ``rows`` rows belongs to."""
+    return bisect.bisect_right(SET_STARTS, rows) - 1
+
+
 class WidthSetLinear(torch.nn.Linear):
     """nn.Linear computed one row at a time, its output scaled by the set of the call's row
     count (SET_STARTS, SET_SCALE). Made by changing a loaded layer's class (same parameters)."""
@@ -50,7 +55,7 @@ class WidthSetLinear(torch.nn.Linear):
         out = torch.cat(
             [F.linear(flat[i : i + 1].clone(), self.weight, self.bias) for i in range(rows)]
         )
-        which = bisect.bisect_right(SET_STARTS, rows) - 1
+        which = set_of(rows)
         if which:
             out = (out.float() * (1 + which * SET_SCALE)).to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

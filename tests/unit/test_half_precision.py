@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
-
 import pytest
 import torch
 from rebuilds import stream_evicting
@@ -351,7 +349,7 @@ def test_a_width_set_target_is_calibrated_to_a_set_of_several_widths(width_set_e
     # The injected sets are real: the linear-layer measurement finds exactly them, the
     # whole-model check passes a set and fails a pair of widths across two, and the calibration
     # keeps several widths of one set (so the tests on width_set_engine pad to several widths).
-    from width_sets import SET_STARTS, use_width_sets
+    from width_sets import set_of, use_width_sets
 
     from specdec.device.exact_widths import (
         measure_exact_width_sets,
@@ -361,7 +359,7 @@ def test_a_width_set_target_is_calibrated_to_a_set_of_several_widths(width_set_e
 
     widths = width_set_engine.transport.verifier.exact.widths
     assert len(widths) > 1
-    assert len({bisect.bisect_right(SET_STARTS, w) for w in widths}) == 1
+    assert len({set_of(w) for w in widths}) == 1
     loaded = load_model(str(tiny_pair[1]), dtype="bfloat16")
     use_width_sets(loaded.model)
     use_row_wise_attention(loaded.model)

@@ -1,10 +1,8 @@
-"""Imported by Python at start-up in a process whose PYTHONPATH holds this folder (the
-TargetModel replicas of tests/integration/test_half_precision_service.py): loads the target
-that $SPECDEC_TEST_WIDTH_SETS names with the several-width layers of tests/width_sets.py."""
+"""Imported by Python at start-up in a process whose PYTHONPATH holds this folder: the
+TargetModel replicas of tests/integration/test_half_precision_service.py, which
+tests/width_sets.py's service_env puts it on, with $SPECDEC_TEST_WIDTH_SETS naming the target
+to load with the several-width layers."""
 
-import os
+from width_sets import install_from_environment
 
-if os.environ.get("SPECDEC_TEST_WIDTH_SETS"):
-    from width_sets import install_from_environment
-
-    install_from_environment()
+install_from_environment()
