@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.cluster.state import STATE_DIR_ENV
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec cluster`."""
-    parser.add_argument("action", choices=["up", "down", "status"])
-    parser.add_argument("--state-dir", help="where the cluster records its processes")
+    parser.add_argument(
+        "action",
+        choices=["up", "down", "status"],
+        help="up starts the head, draft and target nodes, down stops them, status describes them",
+    )
+    parser.add_argument(
+        "--state-dir",
+        help="where the cluster records its processes and logs "
+        f"(default: ${STATE_DIR_ENV}, else ~/.specdec/cluster)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,12 +1,17 @@
-"""Deploying a Serve config file to a running Ray cluster from Python.
+"""Deploying a Serve config file to a running Ray cluster from Python, through Serve's public API.
 
 This is what ``serve run CONFIG`` does, without blocking and without the dashboard's REST API
-(``serve deploy`` needs it; tests and the local cluster run without a dashboard).
+(``serve deploy`` needs it; tests and the local cluster run without a dashboard). The
+application is built here, in the deploying process (``serve.run_many`` of the built
+application, its deployments' options taken from the config), rather than by a build task the
+Serve controller starts from the config's ``import_path``: the same application, one process
+start fewer. KubeRay deploys the same config file by its ``import_path``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import socket
 import time
 from pathlib import Path
@@ -15,30 +20,40 @@ from typing import Any
 import ray
 import yaml
 from ray import serve
-from ray.serve._private import api as serve_api
 from ray.serve.config import gRPCOptions
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
 from specdec.cluster.processes import prepare_driver
 from specdec.config import APPLICATION, SIDES, ModelConfig, SpecdecConfig
+from specdec.errors import ConfigError
 
 # Ray Serve reads the gRPC proxy's max receive (and send) message size from this variable of
 # the proxy's environment; proxies inherit the Serve controller's runtime_env.
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+# The application builder this module builds; a config naming another is refused.
+BUILDER = "specdec.deployments.app:build_app"
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ServeDeploySchema:
-    """Parses and validates a Serve config; ``overrides`` update the specdec app's args.
+    """Parses and validates a Serve config; ``overrides`` update it.
 
+    An override's key is a setting of the specdec app (its ``args``, e.g. ``dtype``), or, when
+    it is dotted or a top-level field of a Serve config, a path in the Serve config (set_path:
+    ``deployments.TargetModel.autoscaling_config.max_replicas``, ``http_options.port``,
+    ``proxy_location``).
     A ``dtype`` or ``gemm`` override is the target's: where neither the overrides nor the config
     set ``draft_dtype`` (``draft_gemm``), the draft keeps the dtype and GEMM the config gives it:
     ``--dtype bfloat16`` on the shipped ``dtype: auto`` leaves the draft measuring its own (int8
     on a CPU) instead of following the target into bfloat16.
 
     Raises:
-        FileNotFoundError, pydantic.ValidationError (with the offending field).
+        FileNotFoundError, pydantic.ValidationError (with the offending field),
+        specdec.errors.ConfigError (a dotted key that names nothing in a Serve config).
     """
     raw = yaml.safe_load(Path(path).read_text())
+    overrides = dict(overrides or {})
+    for key in [key for key in overrides if "." in key or key in ServeDeploySchema.model_fields]:
+        set_path(raw, key, overrides.pop(key))
     for app in raw.get("applications", []):
         if app.get("name") == APPLICATION and overrides:
             args = app.setdefault("args", {})
@@ -50,6 +65,46 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Se
                     args.setdefault("draft_gemm", models.gemm_for("draft"))
             args.update(overrides)
     return ServeDeploySchema.model_validate(raw)
+
+
+def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Sets the dotted ``key`` of a raw Serve config to ``value``, making the dictionaries on
+    the way. ``deployments.NAME.FIELD...`` is in the specdec application's entry for deployment
+    NAME (added when the config has none); any other key starts at a top-level field of a Serve
+    config (``http_options.port``, ``grpc_options.port``). Serve's schema then checks the value.
+
+    Raises:
+        specdec.errors.ConfigError naming ``key``: it starts at no Serve config field, names
+            no field below a deployment, or passes through a value that is no mapping.
+    """
+    first, *rest = key.split(".")
+    if first == "deployments":
+        if len(rest) < 2:
+            raise ConfigError(
+                key, "must be deployments.NAME.FIELD (e.g. ...TargetModel.num_replicas)"
+            )
+        app = next((a for a in raw.get("applications", []) if a.get("name") == APPLICATION), None)
+        if app is None:
+            raise ConfigError(key, f"the config has no application named {APPLICATION!r}")
+        name, *rest = rest
+        entries = app.setdefault("deployments", [])
+        node = next((d for d in entries if d.get("name") == name), None)
+        if node is None:
+            node = {"name": name}
+            entries.append(node)
+    elif first in ServeDeploySchema.model_fields:
+        node, rest = raw, [first, *rest]
+    else:
+        fields = ["deployments", *ServeDeploySchema.model_fields]
+        raise ConfigError(
+            key, f"names no Serve config field; a dotted key starts at one of {fields}"
+        )
+    *parents, last = rest
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"{part} is {node!r}, not a mapping")
+    node[last] = value
 
 
 def app_config(config: ServeDeploySchema) -> SpecdecConfig | None:
@@ -96,6 +151,17 @@ class ServeConfig:
         """The port Serve's gRPC proxy listens on (grpc_options.port)."""
         return self.schema.grpc_options.port
 
+    @property
+    def http_base_url(self) -> str:
+        """The OpenAI API's base URL on this machine: ``http://HOST:PORT/PREFIX/v1`` from
+        http_options and the specdec application's route_prefix (a wildcard host as
+        127.0.0.1)."""
+        options = self.schema.http_options
+        host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
+        app = next((a for a in self.schema.applications if a.name == APPLICATION), None)
+        prefix = (app.route_prefix or "/").rstrip("/") if app is not None else ""
+        return f"http://{host}:{options.port}{prefix}/v1"
+
     def with_settings(self, **settings: Any) -> ServeConfig:
         """A copy with the specdec application's named settings replaced, in its args and in
         ``app`` alike (no application: unchanged).
@@ -114,40 +180,49 @@ class ServeConfig:
         return dataclasses.replace(self, schema=schema, app=app)
 
 
-def bundled_models(config: ServeConfig) -> dict[str, str]:
-    """The converted directories of the config's ``bundled:`` models, as settings
-    ({"draft_model": dir, ...}), converted in the dtype that side's replicas load
-    (specdec.config.ModelConfig.for_side).
+def local_models(config: ServeConfig) -> dict[str, Any]:
+    """Settings that point the config's models at folders on this machine: a ``bundled:`` model
+    converted in the dtype that side's replicas load (specdec.config.ModelConfig.for_side), a
+    Hub id or URI fetched (specdec.models.sources.fetch, at the side's revision, which the
+    settings then clear); for a fetched target, ``served_model_name`` is the Hub id or URI
+    unless the config names one. Local paths are left as they are.
 
-    Converting the bundled pair takes minutes the first time; doing it here, in the process
-    that deploys (with progress bars), keeps replicas from converting concurrently in their
-    constructors. Only for clusters on this machine: the directories are local paths.
+    Converting the bundled pair takes minutes the first time, a download as long as it takes;
+    doing it here, in the process that deploys (with progress bars, and with this shell's
+    HF_TOKEN), keeps the replicas from doing it concurrently in their constructors, and a
+    missing model fails before anything is deployed. Only for clusters on this machine: the
+    folders are local paths.
 
     Raises:
-        specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
+        specdec.errors.ModelLoadError: the pair is not installed or fails its checksum, or a
+            model cannot be fetched.
     """
-    from specdec.models import bundled
+    from specdec.models import bundled, sources
 
     if config.app is None:
         return {}
-    converted = {}
+    models, settings = config.app.models, {}
     for side in SIDES:
-        spec, dtype = config.app.models.for_side(side)
+        spec, dtype = models.for_side(side)
         if spec.startswith(bundled.SPEC_PREFIX):
-            converted[f"{side}_model"] = bundled.resolve(spec, dtype)
-    return converted
+            settings[f"{side}_model"] = bundled.resolve(spec, dtype)
+        elif sources.is_remote(spec):
+            settings[f"{side}_model"] = sources.fetch(spec, models.revision_for(side))
+            settings[f"{side}_revision"] = None
+            if side == "target" and config.app.service.served_model_name is None:
+                settings["served_model_name"] = spec
+    return settings
 
 
-def resolve_bundled(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``overrides`` plus the converted directories of any ``bundled:`` model in the config
-    (bundled_models), for callers that deploy by path.
+def resolve_models(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` plus local_models of the config, for callers that deploy by path.
 
     Raises:
         specdec.errors.ConfigError: the application's args are invalid (see app_config);
-        specdec.errors.ModelLoadError: the pair is not installed or fails its checksum.
+        specdec.errors.ModelLoadError: as local_models.
     """
     overrides = dict(overrides or {})
-    return {**overrides, **bundled_models(ServeConfig.load(path, overrides))}
+    return {**overrides, **local_models(ServeConfig.load(path, overrides))}
 
 
 def deploy(
@@ -184,14 +259,76 @@ def deploy(
             f"not {address}: call ray.shutdown() first"
         )
     schema = config.schema
-    client = serve_api.serve_start(
+    targets = [run_target(app) for app in schema.applications]  # ConfigError before starting
+    serve.start(
+        proxy_location=schema.proxy_location,
         http_options=schema.http_options.model_dump(),
         grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-        proxy_location=schema.proxy_location,
         controller_options=controller_options(config),
     )
-    client.deploy_apps(schema, _blocking=False)
+    serve.run_many(
+        targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False
+    )
     wait_running([app.name for app in schema.applications], timeout_s)
+
+
+def run_target(app: ServeApplicationSchema) -> serve.RunTarget:
+    """A config's application, built in this process (specdec.deployments.app.build_app with
+    the config's ``args``, and its ``deployments`` entries as each deployment's options), as
+    Serve's RunTarget with the config's name, route prefix and logging config.
+
+    Raises:
+        specdec.errors.ConfigError: the application's import_path is not BUILDER, an entry of
+            ``deployments`` names no deployment or sets an option Serve's public API has not,
+            or its args are invalid (build_app).
+    """
+    from specdec.deployments.app import build_app  # torch and transformers: only when deploying
+
+    if app.import_path != BUILDER:
+        raise ConfigError(
+            "import_path",
+            f"{app.name}: specdec deploys {BUILDER}, got {app.import_path!r} "
+            "(deploy other applications with `serve deploy`)",
+        )
+    options = {d.name: deployment_options(d, app.runtime_env) for d in app.deployments}
+    return serve.RunTarget(
+        build_app(app.args, options),
+        name=app.name,
+        route_prefix=app.route_prefix,
+        logging_config=app.logging_config,
+    )
+
+
+# Deployment.options() keyword arguments; a config field outside them cannot be applied.
+_OPTION_NAMES = frozenset(
+    name for name in inspect.signature(serve.Deployment.options).parameters if name[0] != "_"
+) - {"self", "func_or_class", "name", "version"}
+
+
+def deployment_options(
+    deployment: DeploymentSchema, app_runtime_env: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A config's ``deployments`` entry as Deployment.options() keyword arguments: the fields
+    it sets, with the application's runtime_env under the deployment's own (env_vars merged,
+    the deployment's winning), as Serve merges them for a config deployed by import path.
+
+    Raises:
+        specdec.errors.ConfigError: a field Deployment.options() does not take.
+    """
+    options = deployment.model_dump(exclude_unset=True, exclude={"name"})
+    for field in options:
+        if field not in _OPTION_NAMES:
+            raise ConfigError(
+                f"deployments.{deployment.name}.{field}",
+                "cannot be set through Serve's public API (Deployment.options)",
+            )
+    if app_runtime_env:
+        actor = dict(options.get("ray_actor_options") or {})
+        own = actor.get("runtime_env") or {}
+        env_vars = {**app_runtime_env.get("env_vars", {}), **own.get("env_vars", {})}
+        actor["runtime_env"] = {**app_runtime_env, **own, "env_vars": env_vars}
+        options["ray_actor_options"] = actor
+    return options
 
 
 def controller_options(config: ServeConfig) -> dict[str, Any]:

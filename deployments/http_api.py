@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API, served by the router deployment on Serve's HTTP port (8000).
 
-Routes (under the application's route prefix, ``/specdec`` in the shipped configs, so the OpenAI
-base URL is ``http://HOST:8000/specdec/v1``): ``POST /v1/completions``, ``POST
-/v1/chat/completions`` (both unary or, with ``"stream": true``, server-sent events ending in
-``data: [DONE]``) and ``GET /v1/models``.
+Routes (under the application's route prefix, ``/`` in the shipped configs, so the OpenAI base
+URL is ``http://HOST:8000/v1``, where OpenAI clients and gateways look): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both unary or, with ``"stream": true``, server-sent events ending
+in ``data: [DONE]``) and ``GET /v1/models``. Every route also answers under LEGACY_PREFIX
+(``/specdec/v1/...``), the base URL of releases whose route prefix was ``/specdec``.
 
 Why on the router deployment itself (``@serve.ingress(HTTP_APP)`` on SpeculativeRouter, with
 OpenAIRoutes as a mixin) rather than a thin ingress deployment in front of it: a request's rounds
@@ -22,18 +23,20 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec import openai_api
+from specdec.config import SpecdecConfig
 from specdec.decoding.request import ModelLimits
 from specdec.decoding.round_loop import RoundLoop
 from specdec.deployments.failures import grpc_status
 from specdec.errors import InvalidRequestError
 from specdec.openai_api import OpenAIError, OpenAIRequest, Responder
+from specdec.v1 import worker_pb2
 
 log = logging.getLogger("ray.serve")
 # No /docs, /redoc or /openapi.json: they would be the only routes of the API's port that
@@ -45,6 +48,24 @@ HTTP_APP = FastAPI(
     redoc_url=None,
     openapi_url=None,
 )
+# Where the routes were before they moved to the root; they answer there too (route).
+LEGACY_PREFIX = "/specdec"
+# Every path route() has registered (aliases too): what a gateway in front must let through.
+ROUTE_PATHS: list[str] = []
+
+
+def route(method: str, path: str) -> Callable[[Callable], Callable]:
+    """Registers the decorated endpoint for ``method`` ("get", "post") at ``path`` and at
+    LEGACY_PREFIX + ``path``, on HTTP_APP."""
+    register = getattr(HTTP_APP, method)
+
+    def decorate(endpoint: Callable) -> Callable:
+        ROUTE_PATHS.extend((path, LEGACY_PREFIX + path))
+        return register(LEGACY_PREFIX + path)(register(path)(endpoint))
+
+    return decorate
+
+
 # Metric labels of HTTP failures: the gRPC status names the gRPC API records, so a dashboard
 # counts errors by code across both APIs.
 _CODE_NAMES = {
@@ -83,17 +104,22 @@ class OpenAIRoutes:
     (specdec.api_keys.ApiKeys) first: without an accepted key, 401 with OpenAI's error object
     (code ``invalid_api_key``) and ``WWW-Authenticate: Bearer``.
 
+    A request's unset sampling fields and token limit take the router's ``http_defaults``
+    (specdec.openai_api.RequestDefaults: the target's generation_config, then OpenAI's).
+
     Uses the router's ``config``, ``tokenizer``, ``metrics``, ``_model_info()`` (the draft's
     and target's specdec.v1.ReplicaInfo; ServiceUnavailable when the target does not answer),
-    ``_round_loop(GenerateRequest)`` (validates and tokenizes, InvalidRequestError naming the
-    field) and ``_succeed(method, completion, start)``.
+    ``_limits()`` (the pair's ModelLimits), ``_round_loop(GenerateRequest)`` (validates and
+    tokenizes, InvalidRequestError naming the field) and ``_succeed(method, completion,
+    start)``.
     """
 
-    @HTTP_APP.get("/v1/models")
+    @route("get", "/v1/models")
     async def list_models(self, request: Request) -> Response:
-        """The served model (the target; its id goes in requests' ``model``), the draft in
-        ``draft_model`` (null while no draft replica has answered this router) and the
-        context limit (tokens) in ``max_model_len``."""
+        """The served model (the target, named service.served_model_name or else by its model
+        name; its id goes in requests' ``model``), the draft in ``draft_model`` (null while no
+        draft replica has answered this router) and the context limit (tokens) in
+        ``max_model_len``."""
         try:
             self.api_keys.check(request.headers.get("authorization"))
             draft, target = await self._model_info()
@@ -101,7 +127,7 @@ class OpenAIRoutes:
             return self._http_error_response("/v1/models", err, None)
         limits = ModelLimits.of(target, draft, self.config.speculation)
         model = {
-            "id": target.name,
+            "id": served_name(self.config, target),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "specdec",
@@ -110,12 +136,12 @@ class OpenAIRoutes:
         }
         return JSONResponse({"object": "list", "data": [model]})
 
-    @HTTP_APP.post("/v1/completions")
+    @route("post", openai_api.PATHS[openai_api.COMPLETIONS])
     async def completions(self, request: Request) -> Response:
         """OpenAI's completions (``prompt``); see specdec.openai_api for the fields."""
         return await self._http_serve(request, openai_api.COMPLETIONS)
 
-    @HTTP_APP.post("/v1/chat/completions")
+    @route("post", openai_api.PATHS[openai_api.CHAT])
     async def chat_completions(self, request: Request) -> Response:
         """OpenAI's chat completions (``messages``, the target's chat template)."""
         return await self._http_serve(request, openai_api.CHAT)
@@ -132,11 +158,13 @@ class OpenAIRoutes:
             body = await _json_body(http_request, self.config.service.max_request_bytes)
             parsed = openai_api.parse(endpoint, body)
             _, target = await self._model_info()
-            parsed.check_model(target.name)
+            served = served_name(self.config, target)
+            parsed.check_model(served)
+            self.http_defaults.apply(parsed.request, (await self._limits()).context_limit)
             loop = await self._round_loop(parsed.request)
         except Exception as err:  # noqa: BLE001
             return self._http_error_response(method, err, parsed)
-        responder = Responder(parsed, target.name, self._http_token_text)
+        responder = Responder(parsed, served, self._http_token_text)
         if parsed.stream:
             events = self._http_events(loop, responder, method, start)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -198,6 +226,11 @@ class OpenAIRoutes:
         # RFC 6750: a 401 names the scheme the client must use.
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def served_name(config: SpecdecConfig, target: worker_pb2.ReplicaInfo) -> str:
+    """The model's id in this API: service.served_model_name, else the target's model name."""
+    return config.service.served_model_name or target.name
 
 
 async def _json_body(request: Request, max_bytes: int) -> object:

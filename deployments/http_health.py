@@ -1,6 +1,7 @@
 """HTTP liveness and readiness on Serve's HTTP port, in the router's FastAPI app beside the
 OpenAI routes (specdec.deployments.http_api.HTTP_APP), under the application's route prefix
-(``/specdec/health``, ``/specdec/ready`` with the shipped configs).
+(``/health``, ``/ready`` with the shipped configs; ``/specdec/health`` and ``/specdec/ready``
+too, as before).
 
 gRPC clients ask grpc.health.v1 on port 9000 instead (SpeculativeRouter.Check / Watch); both
 answer from the same decision, specdec.deployments.health.readiness.
@@ -10,18 +11,18 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from specdec.deployments.http_api import HTTP_APP
+from specdec.deployments.http_api import route
 
 
 class HealthRoutes:
     """The HTTP health routes, a mixin of SpeculativeRouter; uses its ``readiness()``."""
 
-    @HTTP_APP.get("/health")
+    @route("get", "/health")
     async def health_endpoint(self) -> JSONResponse:
         """Liveness: 200 ``{"status": "alive"}`` whenever this router replica answers at all."""
         return JSONResponse({"status": "alive"})
 
-    @HTTP_APP.get("/ready")
+    @route("get", "/ready")
     async def ready_endpoint(self) -> JSONResponse:
         """Readiness: 200 once a target replica has answered model_info (also while the draft
         is down, the reason then says "degraded"), 503 before; the body is ``{"ready": bool,

@@ -71,6 +71,7 @@ class ModelReplica:
             exact_widths=config.models.measures_exact_widths(),
             max_batch_size=config.models.max_batch_size,
             cache=CalibrationCache.configured(config.models.calibration_cache),
+            revision=config.models.revision_for(side),
         ).result()
         self._dtype = str(self.calibration.candidate)
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()

@@ -50,7 +50,13 @@ from specdec.deployments.http_health import HealthRoutes
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import RouterMetrics
 from specdec.errors import InvalidRequestError, MalformedRequest
-from specdec.models.loading import check_same_tokenizer, load_tokenizer
+from specdec.models.loading import (
+    check_same_tokenizer,
+    generation_defaults,
+    load_tokenizer,
+    read_chat_template,
+)
+from specdec.openai_api import RequestDefaults
 from specdec.v1 import specdec_pb2, worker_pb2
 
 log = logging.getLogger("ray.serve")
@@ -213,8 +219,17 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         route_specdec_logs()  # the draft pool's availability changes
         self.config = config
         self.api_keys = ApiKeys.load(config.service.api_keys_file, config.service.api_keys_env)
-        self.tokenizer = load_tokenizer(config.models.target_model)
-        check_same_tokenizer(load_tokenizer(config.models.draft_model), self.tokenizer)
+        models, service = config.models, config.service
+        self.tokenizer = load_tokenizer(models.target_model, models.target_revision)
+        draft_tokenizer = load_tokenizer(models.draft_model, models.draft_revision)
+        check_same_tokenizer(draft_tokenizer, self.tokenizer)
+        if service.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(service.chat_template)
+        generation = service.generation_config == "auto"
+        self.http_defaults = RequestDefaults.of(
+            generation_defaults(models.target_model, models.target_revision) if generation else {},
+            service.default_max_tokens,
+        )
         # A sampled round's q travels draft -> router -> target over Serve's per-replica gRPC
         # transport, whose receivers refuse messages past this many bytes.
         check_q_message_size(

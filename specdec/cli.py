@@ -15,6 +15,7 @@ from types import ModuleType
 import grpc
 
 from specdec import __version__
+from specdec.tools.args import DefaultsHelpFormatter
 
 # subcommand -> (module with add_cli_args(parser) and main(args) -> int, one-line help).
 # Only the chosen subcommand's module is imported: its imports are its own business.
@@ -80,15 +81,18 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, ModuleType |
     Every subcommand is listed (with its help) but only the named one gets its flags, so only
     its module is imported. The command is the first argument not starting with "-" (the top
     level has no options but --help and --version); with none, or an unknown one, the module
-    is None and parse_args reports the error.
+    is None and parse_args reports the error. Every parser prints its flags' defaults
+    (DefaultsHelpFormatter; a subcommand's own subparsers pass its formatter_class on).
     """
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="specdec", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     module = None
     for name, (module_name, help_text) in COMMANDS.items():
-        subparser = commands.add_parser(name, help=help_text)
+        subparser = commands.add_parser(name, help=help_text, formatter_class=DefaultsHelpFormatter)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_cli_args(subparser)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from specdec.config_fields import Section, at_least, require
+from specdec.config_service import ServiceConfig
 from specdec.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ DTYPE_GEMMS = {
 CPU_ONLY = ("int8", "dnnl", "bf16w")  # the dtypes and GEMMs that run on a CPU only
 SIDES = ("draft", "target")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +54,22 @@ class ModelConfig(Section):
     """models: which draft and target to load, in what dtype, where, and their caches."""
 
     draft_model: str | None = None
-    """The draft model: a local Hugging Face directory, a cached model id, a `.gguf` path or
-    `bundled:draft`; `~` and environment variables are expanded. Required in the Serve
-    application's args (SpeculativeEngine takes loaded models instead)."""
+    """The draft model: a local Hugging Face directory, a `.gguf` file, `bundled:draft`, a
+    Hugging Face Hub id (`Qwen/Qwen2.5-Coder-0.5B-Instruct`, downloaded into the Hub cache;
+    `HF_TOKEN`, `HF_HUB_OFFLINE` and `HF_HOME` apply) or a folder's URI (`s3://...`,
+    `gs://...`, `file://...`: copied once into the models cache); `~` and environment
+    variables are expanded (specdec.models.sources). Required in the Serve application's
+    args."""
 
     target_model: str | None = None
     """The target model, as `draft_model` (`bundled:target` for the bundled pair)."""
+
+    draft_revision: str | None = None
+    """The Hub revision of a Hub-id `draft_model`: a branch, tag or commit (null: `main`). Pin
+    a commit so that every replica loads the same weights."""
+
+    target_revision: str | None = None
+    """The Hub revision of a Hub-id `target_model`, as `draft_revision`."""
 
     dtype: str = "float32"
     """The target's dtype, and the draft's unless `draft_dtype` is set: `auto`, `float32`,
@@ -172,6 +181,10 @@ class ModelConfig(Section):
     (specdec.worker.compute_health). A batch without a forward error resets the count; a
     failing row fails only its own call."""
 
+    def revision_for(self, side: str) -> str | None:
+        """The Hub revision of the "draft" or "target" side's model (None: main)."""
+        return self.draft_revision if side == "draft" else self.target_revision
+
     def for_side(self, side: str) -> tuple[str | None, str]:
         """(model, dtype) that the "draft" or "target" side loads."""
         if side == "draft":
@@ -202,6 +215,8 @@ class ModelConfig(Section):
     def _check(self) -> None:
         for name in ("draft_model", "target_model"):
             require(name, getattr(self, name) != "", "must not be empty")
+        for name in ("draft_revision", "target_revision"):
+            require(name, getattr(self, name) != "", "must be a branch, tag or commit, or null")
         for dtype_name, gemm_name in _DTYPE_AND_GEMM.values():
             self._read_combined(dtype_name, gemm_name)
         require(
@@ -345,112 +360,6 @@ class SpeculationConfig(Section):
         at_least("ngram_min_n", self.ngram_min_n, 1)
         at_least("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
         at_least("shared_ngram_bytes", self.shared_ngram_bytes, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceConfig(Section):
-    """service: the router's timeouts, the limits of a request, and the pools it reports."""
-
-    call_timeout_s: float = 20.0
-    """Seconds one propose or verify call may take before the router retries it (Serve routes
-    the retry to a live replica). Must be below `unavailable_after_s`, so that a call that
-    waits for a replica that does not exist is retried, and the request ends in time."""
-
-    unavailable_after_s: float = 30.0
-    """Seconds after which a request whose calls find no replica fails with UNAVAILABLE: the
-    retries of a failed or timed-out call stop there (a retry never outlasts it), and so does
-    the wait for the replicas' model info."""
-
-    draft_timeout_s: float = 10.0
-    """Seconds a decode round's propose may take. Past it, or on any error of the draft side,
-    the request goes on without the draft (k = 0: the target alone, still exact; its stats
-    count `rounds_without_draft`), and so do the router's other requests until the draft
-    answers again (see `draft_retry_s`). A draft call that carries a whole sequence (the
-    prompt's prefill, a rebuild) may take `call_timeout_s`, but a round waits for it at most
-    this long: past it, the call runs on in the background as the draft's prefill."""
-
-    draft_retry_s: float = 1.0
-    """Seconds from a draft failure to the router's first check that a draft replica answers
-    again (its model info, in the background); each failed check doubles the wait, up to
-    30 s. Speculation resumes once the check answers."""
-
-    max_prompt_bytes: int = 1024**2
-    """The largest prompt, in UTF-8 bytes of `prompt` or of all `messages` contents together;
-    a larger one is refused with INVALID_ARGUMENT before it is tokenized."""
-
-    max_messages: int = 256
-    """The most chat `messages` one request may hold (INVALID_ARGUMENT past it)."""
-
-    max_stop_strings: int = 16
-    """The most `stop` strings one request may hold; each is searched for in every round."""
-
-    max_stop_string_chars: int = 256
-    """The longest `stop` string, in characters."""
-
-    max_stop_token_ids: int = 256
-    """The most `stop_token_ids` one request may hold (each must be below the vocabulary
-    size)."""
-
-    max_request_bytes: int = 8 * 1024**2
-    """The largest request body the HTTP API reads, in bytes (larger: 413). The gRPC proxy's
-    own bound is Ray Serve's `RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, which specdec's deploy sets to
-    this value (the shipped configs set it under `controller_options`); past it gRPC answers
-    RESOURCE_EXHAUSTED. Keep it above `max_prompt_bytes`, so that a long prompt gets the
-    INVALID_ARGUMENT that names it."""
-
-    draft_pool: str = "draft_pool"
-    """The Ray custom resource of the draft replicas, as GetModelInfo reports it (the config's
-    `ray_actor_options` place the replicas)."""
-
-    target_pool: str = "target_pool"
-    """The Ray custom resource of the target replicas, as `draft_pool`."""
-
-    api_keys_file: str | None = None
-    """A file of API keys, one a line (blank lines and `#` comments skipped), read by each
-    router replica at start-up: then every data-plane request needs one of them
-    (`Authorization: Bearer KEY` on HTTP, the `authorization` metadata on gRPC; else 401 or
-    UNAUTHENTICATED); health, readiness and metrics stay open. A missing or unreadable file,
-    or one without a key, fails the router's start. Unset, and no key in `api_keys_env`:
-    authentication is off (see docs/security.md)."""
-
-    api_keys_env: str | None = "SPECDEC_API_KEYS"
-    """The environment variable of the router's processes whose comma-separated keys are
-    accepted too (a Kubernetes Secret through `secretKeyRef`); unset or empty adds none; null
-    reads no variable. Several keys at once let a new one roll out before the old one goes."""
-
-    def _check(self) -> None:
-        for name in ("call_timeout_s", "unavailable_after_s", "draft_timeout_s", "draft_retry_s"):
-            value = getattr(self, name)
-            require(name, math.isfinite(value) and value > 0, f"must be > 0 seconds, got {value}")
-        require(
-            "call_timeout_s",
-            self.call_timeout_s < self.unavailable_after_s,
-            f"must be below unavailable_after_s ({self.unavailable_after_s} s), got "
-            f"{self.call_timeout_s} s: a call waiting for a missing replica would then never be "
-            "retried, and a request would wait call_timeout_s, past unavailable_after_s",
-        )
-        for name in (
-            "max_prompt_bytes",
-            "max_messages",
-            "max_stop_strings",
-            "max_stop_string_chars",
-            "max_stop_token_ids",
-        ):
-            at_least(name, getattr(self, name), 1)
-        require(
-            "max_request_bytes",
-            self.max_request_bytes > self.max_prompt_bytes,
-            f"must be above max_prompt_bytes ({self.max_prompt_bytes}), got "
-            f"{self.max_request_bytes}",
-        )
-        for name in ("draft_pool", "target_pool"):
-            require(name, getattr(self, name) != "", "must not be empty")
-        require("api_keys_file", self.api_keys_file != "", "must be a path or null")
-        require(
-            "api_keys_env",
-            self.api_keys_env is None or _ENV_NAME.fullmatch(self.api_keys_env) is not None,
-            f"must be an environment variable's name or null, got {self.api_keys_env!r}",
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,8 @@ def field_docs(cls: type) -> dict[str, str]:
 def reference_markdown() -> str:
     """The configuration reference: one table per concern (setting, default, meaning)."""
     intro = (
-        "Generated from `specdec/config.py` by `python -m specdec.config_reference`. Each "
+        "Generated from `specdec/config.py` and `specdec/config_service.py` by "
+        "`python -m specdec.config_reference`. Each "
         "setting is a key of the Serve application's `args` (`deployments/config/*.yaml`) and "
         "a keyword argument of `SpeculativeEngine.from_pretrained` (in one process, of the "
         "`service` settings only `draft_retry_s` has an effect). A bad value or an unknown key "

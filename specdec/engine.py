@@ -196,6 +196,7 @@ class SpeculativeEngine:
                 exact_widths=models.measures_exact_widths(),
                 max_batch_size=models.max_batch_size,
                 cache=CalibrationCache.configured(models.calibration_cache),
+                revision=models.revision_for(side),
             )
         return cls(loaded["draft"], loaded["target"], config, calibrations=calibrations)
 

@@ -170,6 +170,48 @@ class OpenAIRequest:
             raise OpenAIError(404, message, "model", "model_not_found")
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestDefaults:
+    """What an HTTP request's unset sampling fields and token limit take
+    (specdec.config.ServiceConfig.generation_config and default_max_tokens): the target's
+    generation_config where it sets them, else OpenAI's defaults. The gRPC API keeps its own
+    (greedy, 64 tokens: specdec.v1 GenerateRequest).
+
+    Attributes:
+        temperature, top_p, top_k: as GenerateRequest's; top_k 0 is off.
+        max_tokens: completion tokens, or None for up to the context limit.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = None
+
+    @classmethod
+    def of(
+        cls, generation: Mapping[str, float | int], default_max_tokens: int | None = None
+    ) -> RequestDefaults:
+        """From a model's generation defaults (specdec.models.loading.generation_defaults:
+        temperature, top_p, top_k, max_new_tokens, each optional) and the service's
+        default_max_tokens, used where the model sets no max_new_tokens."""
+        base = cls()
+        return cls(
+            temperature=float(generation.get("temperature", base.temperature)),
+            top_p=float(generation.get("top_p", base.top_p)),
+            top_k=int(generation.get("top_k", base.top_k)),
+            max_tokens=generation.get("max_new_tokens", default_max_tokens),
+        )
+
+    def apply(self, request: specdec_pb2.GenerateRequest, context_limit: int) -> None:
+        """Sets ``request``'s unset temperature, top_p, top_k and max_new_tokens (the last at
+        most ``context_limit`` tokens: the router caps it to what the prompt leaves)."""
+        for field in ("temperature", "top_p", "top_k"):
+            if not request.HasField(field):
+                setattr(request, field, getattr(self, field))
+        if not request.HasField("max_new_tokens"):
+            request.max_new_tokens = min(self.max_tokens or context_limit, context_limit)
+
+
 def parse(endpoint: str, body: Any) -> OpenAIRequest:
     """Maps a JSON body of ``endpoint`` (COMPLETIONS or CHAT) to an OpenAIRequest.
 

@@ -46,7 +46,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `python -m specdec.bench.gemm_bench`."""
     parser.add_argument("--shape", default=DEFAULT_SHAPE, help="OUTxIN features of the weight")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated row counts")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="dtype of the weights and the input",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per cell")
     parser.add_argument(
         "--layers", type=int, default=8, help="distinct weights called in turn (one per call)"

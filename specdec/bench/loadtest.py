@@ -477,20 +477,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="tiny",
         help="tiny (built in), humaneval, mt-bench, spec-bench or a .jsonl path",
     )
-    parser.add_argument("--data-file", help="the dataset's question file")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--data-file",
+        help="the dataset's question file (default: looked up in $SPECDEC_DATA, "
+        "then ../shared/data/prompts)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per request")
     add_k_arg(parser, "speculative tokens per round: an int >= 0 (0 = off) or auto")
-    parser.add_argument("--temperature", type=float, help="default: greedy")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default: greedy)")
     parser.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="GenerateStream, TTFT at the first message (default on)",
+        help="GenerateStream, TTFT at the first message (default: on)",
     )
     parser.add_argument(
-        "--ray-address", help="Ray address for replica counts (default: the local cluster's)"
+        "--ray-address",
+        help="Ray address for replica counts (default: the local cluster's when one is up, "
+        "else no replica counts)",
     )
-    parser.add_argument("--max-requests", type=int, help="start at most N requests")
+    parser.add_argument(
+        "--max-requests", type=int, help="start at most N requests (default: no limit)"
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="deadline of each request, seconds"
     )

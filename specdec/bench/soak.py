@@ -58,6 +58,7 @@ from specdec.bench.soak_reference import compute_references
 from specdec.bench.soak_run import Runner
 from specdec.bench.soak_schedule import DEFAULT_SCHEDULE, parse_schedule
 from specdec.bench.soak_verdict import analyse, format_summary
+from specdec.tools.args import run_standalone
 
 # Autoscaling with delays of seconds (the shipped ones are minutes); tests/integration/
 # test_autoscaling.py uses these too: they scale reliably on 2 cores.
@@ -192,7 +193,12 @@ def _deploy_and_run(info, config_file, port, references, schedule, opts, started
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec soak`."""
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the tiny pair on both sides",
+    )
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument(
         "--schedule",
@@ -202,11 +208,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--interval", type=float, default=2.0, help="seconds between replica samples"
     )
-    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each request, s")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="deadline of each request, seconds"
+    )
     parser.add_argument(
         "--warmup",
         type=float,
-        help="seconds before a replica's memory baseline (default min(120, duration/5))",
+        help="seconds before a replica's memory baseline (default: min(120, duration/5))",
     )
     parser.add_argument(
         "--max-growth-mb",
@@ -218,7 +226,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-hold",
         type=float,
         default=300.0,
-        help="longest wait of the schedule at one gate (e.g. for a second target replica), s",
+        help="longest wait of the schedule at one gate (e.g. for a second target replica), seconds",
     )
     parser.add_argument("--seed", type=int, default=0, help="order of the request mix")
     parser.add_argument("--out", help="write the report (with every sample) as JSON")
@@ -258,6 +266,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m specdec.bench.soak", description=__doc__)
-    add_cli_args(cli)
-    sys.exit(main(cli.parse_args()))
+    run_standalone(add_cli_args, main, prog="python -m specdec.bench.soak", description=__doc__)

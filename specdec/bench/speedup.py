@@ -295,9 +295,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=positive_int,
         default=128,
-        help="new tokens per request (default 128)",
+        help="new tokens per request",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
     add_k_arg(parser, "speculative tokens per round in the speculative mode: int or auto")
     parser.add_argument(
@@ -338,7 +340,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="device of the in-process modes (default: cuda if any, else cpu)",
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request deadline, seconds"
+    )
     parser.add_argument("--json", metavar="OUT", help="one record per prompt and a summary")
     parser.add_argument(
         "--plot", metavar="OUT.png", help="speedup per prompt, acceptance per draft position"

@@ -441,28 +441,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=parse_concurrency,
         default=parse_concurrency("1,2,4,8"),
-        help="concurrent streams per cell, a comma list of integers >= 1 (default 1,2,4,8)",
+        help="concurrent streams per cell, a comma list of integers >= 1 (default: 1,2,4,8)",
     )
     parser.add_argument(
         "--k",
         type=parse_modes,
         default=parse_modes("0,auto,2,4"),
         help="modes, a comma list: 0 = the target model alone, auto = adaptive k "
-        "(num_speculative_tokens unset), N = N speculative tokens per round (default 0,auto,2,4)",
+        "(num_speculative_tokens unset), N = N speculative tokens per round (default: 0,auto,2,4)",
     )
     parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
         default=128,
-        help="new tokens per request (default 128); greedy (temperature 0) only",
+        help="new tokens per request; greedy (temperature 0) only",
     )
     parser.add_argument(
         "--requests-per-stream",
         type=positive_int,
         default=1,
-        help="requests each stream sends one after the other (default 1)",
+        help="requests each stream sends one after the other",
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request deadline, seconds"
+    )
     parser.add_argument("--json", metavar="OUT", help="every request record and the summary")
     parser.add_argument(
         "--plot",

@@ -83,7 +83,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="gRPC HOST:PORT of a running service (default: in process; API key from "
         "$SPECDEC_API_KEY)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request")
 
 
 def main(args: argparse.Namespace) -> int:

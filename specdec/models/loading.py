@@ -16,12 +16,14 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from specdec.errors import ModelLoadError
+from specdec.models.sources import fetch, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -79,37 +81,85 @@ class ModelSource:
         return kw
 
 
-def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """Loads a tokenizer offline. Raises ModelLoadError when it is not on local disk."""
-    source = ModelSource.parse(_resolve_bundled(spec, "bfloat16"))
+def load_tokenizer(spec: str | os.PathLike, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """Loads a model's tokenizer (a Hub id or URI fetched first: specdec.models.sources.fetch).
+
+    Raises:
+        ModelLoadError: the model cannot be fetched, or its folder holds no tokenizer.
+    """
+    source = ModelSource.parse(_resolve_bundled(fetch(spec, revision), "bfloat16"))
     try:
         return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
     except (OSError, ValueError) as err:
         raise ModelLoadError(
-            f"cannot load tokenizer {spec!r} from local files (specdec never downloads): {err}"
+            f"cannot load tokenizer {spec!r} from {source.location}: {err}"
         ) from err
 
 
-def load_model(
-    spec: str | os.PathLike, *, dtype: str = "float32", device: str | torch.device = "cpu"
-) -> LoadedModel:
-    """Loads a causal LM and its tokenizer offline, in eval mode.
+# generation_config.json fields an OpenAI request's unset fields take (generation_defaults), and
+# those specdec has no equivalent of (logged, not applied: each would change the target's
+# distribution, which speculative decoding reproduces exactly).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
+_UNSUPPORTED_DEFAULT_FIELDS = ("repetition_penalty", "min_p", "typical_p", "no_repeat_ngram_size")
+
+
+def generation_defaults(
+    spec: str | os.PathLike, revision: str | None = None
+) -> dict[str, float | int]:
+    """The sampling defaults a model's ``generation_config.json`` sets: its temperature, top_p,
+    top_k and max_new_tokens where set (transformers' own defaults are unset), as vLLM's
+    ``--generation-config auto`` reads them; ``do_sample`` is ignored, as vLLM does. A field
+    specdec cannot apply (repetition_penalty, min_p, ...) is logged and left out. No file, or
+    one transformers cannot read: {} (logged).
 
     Args:
-        spec: local directory, cached model id, path to a ``.gguf`` file, or ``bundled:draft`` /
-            ``bundled:target`` (the bundled pair, converted on first use: specdec.models.bundled).
+        spec, revision: as load_tokenizer.
+    """
+    source = ModelSource.parse(_resolve_bundled(fetch(spec, revision), "bfloat16"))
+    try:
+        config = GenerationConfig.from_pretrained(source.location, **source.kwargs())
+    except (OSError, ValueError) as err:
+        log.info("no generation defaults for %s (%s)", spec, err)
+        return {}
+    ignored = [f for f in _UNSUPPORTED_DEFAULT_FIELDS if getattr(config, f, None) is not None]
+    if ignored:
+        log.warning("%s: generation_config sets %s, which specdec does not apply", spec, ignored)
+    return {
+        name: getattr(config, name)
+        for name in SAMPLING_DEFAULT_FIELDS
+        if getattr(config, name, None) is not None
+    }
+
+
+def load_model(
+    spec: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+) -> LoadedModel:
+    """Loads a causal LM and its tokenizer, in eval mode; the files are fetched first
+    (specdec.models.sources.fetch), then read offline.
+
+    Args:
+        spec: local directory, path to a ``.gguf`` file, ``bundled:draft`` / ``bundled:target``
+            (the bundled pair, converted on first use: specdec.models.bundled), a Hugging Face
+            Hub id or a folder's URI. The LoadedModel's name is the Hub id or URI, else the
+            folder loaded.
         dtype: "float32", "bfloat16", "float16", or "int8" (CPU only: every Linear layer
             dynamically quantized to int8, see quantize_int8; for draft models).
         device: "cpu", "cuda", "cuda:N".
+        revision: a Hub id's branch, tag or commit (None: main).
     Raises:
-        ModelLoadError: not found locally, unknown dtype, int8 on a GPU, or a vocabulary the
-            tokenizer exceeds.
+        ModelLoadError: cannot be fetched or read, unknown dtype, int8 on a GPU, or a vocabulary
+            the tokenizer exceeds.
     """
     if dtype not in DTYPES and dtype != INT8:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES) + [INT8]}, got {dtype!r}")
     if dtype == INT8 and torch.device(device).type != "cpu":
         raise ModelLoadError(f"dtype int8 runs on the CPU only, got device {device!r}")
-    spec = _resolve_bundled(spec, dtype)
+    name = str(spec) if is_remote(str(spec)) else None
+    spec = _resolve_bundled(fetch(spec, revision), dtype)
     source = ModelSource.parse(spec)
     tokenizer = load_tokenizer(spec)
     try:
@@ -118,7 +168,7 @@ def load_model(
         )
     except (OSError, ValueError) as err:
         raise ModelLoadError(
-            f"cannot load model {spec!r} from local files (specdec never downloads): {err}"
+            f"cannot load model {name or spec!r} from {source.location}: {err}"
         ) from err
     model.to(device).eval()
     vocab_size = len(tokenizer)
@@ -131,7 +181,7 @@ def load_model(
     if dtype == INT8:
         quantize_int8(model)
     return LoadedModel(
-        name=str(spec),
+        name=name or str(spec),
         model=model,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
@@ -174,6 +224,24 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, target: PreTrainedToken
         token = next(t for t, i in draft_vocab.items() if target_vocab.get(t) != i)
         detail = f"token {token!r} is id {draft_vocab[token]} vs {target_vocab.get(token)}"
     raise ModelLoadError(f"draft and target must share a tokenizer; they differ: {detail}")
+
+
+def read_chat_template(template: str) -> str:
+    """The chat_template setting's template: the text of the file it names (``~`` expanded),
+    or the setting itself when it is a template (holds ``{{`` or ``{%``).
+
+    Raises:
+        ModelLoadError: neither a template nor a readable file.
+    """
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template).expanduser()
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise ModelLoadError(
+            f"chat_template: neither a Jinja template nor a readable file: {err}"
+        ) from err
 
 
 def _resolve_bundled(spec: str | os.PathLike, dtype: str) -> str | os.PathLike:

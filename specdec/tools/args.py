@@ -17,6 +17,47 @@ from specdec.config import APPLICATION, PROPOSERS
 DEFAULT_CONFIG = "local.yaml"  # looked up in the packaged deployments/config/ when not a path
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """The text DefaultsHelpFormatter appends to ``action``'s help as ``(default: TEXT)``, or
+    None when it appends nothing: a default of None, False or SUPPRESS, an empty one ("", [],
+    ()), help that already says "default" (or is SUPPRESS), or a positional that cannot be
+    left out. A list or tuple is joined as it is typed: with spaces after a flag that takes
+    several values, else with commas."""
+    default, help_text = action.default, action.help or ""
+    if default is None or default is False or default is argparse.SUPPRESS:
+        return None
+    if isinstance(default, str | list | tuple) and not default:
+        return None
+    if help_text == argparse.SUPPRESS or "default" in help_text.lower():
+        return None
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return None
+    if isinstance(default, list | tuple):
+        several = action.nargs not in (None, argparse.OPTIONAL)
+        return (" " if several else ",").join(map(str, default))
+    return str(default)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The help formatter of `specdec` and every subcommand: each flag's help ends with
+    ``(default: VALUE)`` where shown_default gives one, and nothing is appended for a flag with
+    no meaningful default or whose help already names it (no "(default: None)" noise)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        shown = shown_default(action)
+        if shown is None:
+            return help_text
+        return f"{help_text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class RawDescriptionDefaultsHelpFormatter(
+    argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter
+):
+    """DefaultsHelpFormatter that prints the description (and epilog) as written, line breaks
+    kept, as argparse.RawDescriptionHelpFormatter: for a docstring laid out as paragraphs."""
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1.
 
@@ -69,7 +110,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     from specdec.client import API_KEY_ENV, DEFAULT_ADDRESS
 
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gRPC HOST:PORT")
-    parser.add_argument("--application", default=APPLICATION)
+    parser.add_argument("--application", default=APPLICATION, help="the Serve application's name")
     parser.add_argument(
         "--api-key",
         help=f"the service's API key (default: ${API_KEY_ENV}; prefer it, a flag shows in ps)",
@@ -78,7 +119,9 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         "--tls", action="store_true", help="TLS to a gateway that terminates it (HOST:443)"
     )
     parser.add_argument(
-        "--ca-file", help="PEM CA that signed the server's certificate (implies --tls)"
+        "--ca-file",
+        help="PEM CA that signed the server's certificate (implies --tls; default: the "
+        "system's trusted roots)",
     )
 
 
@@ -103,11 +146,13 @@ def add_prompt_set_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset", default="humaneval", help="humaneval, mt-bench, spec-bench, or a .jsonl path"
     )
-    parser.add_argument("--data-file", help="the question file of mt-bench / spec-bench")
-    parser.add_argument("--category", help="only this category of the dataset")
     parser.add_argument(
-        "--limit", type=positive_int, default=20, help="first N prompts (default 20)"
+        "--data-file",
+        help="the question file of mt-bench / spec-bench (default: looked up in $SPECDEC_DATA, "
+        "then ../shared/data/prompts)",
     )
+    parser.add_argument("--category", help="only this category of the dataset (default: all)")
+    parser.add_argument("--limit", type=positive_int, default=20, help="first N prompts")
 
 
 def check_report_paths(args: argparse.Namespace) -> None:
@@ -181,7 +226,7 @@ def run_standalone(
 ) -> None:
     """`python -m specdec.tools.X`: parses sys.argv with the tool's own add_cli_args, runs its
     main and exits with main's status. ``parser_kwargs`` go to argparse.ArgumentParser (prog,
-    description, formatter_class)."""
-    parser = argparse.ArgumentParser(**parser_kwargs)
+    description, formatter_class: DefaultsHelpFormatter unless given)."""
+    parser = argparse.ArgumentParser(**{"formatter_class": DefaultsHelpFormatter, **parser_kwargs})
     add_cli_args(parser)
     sys.exit(main(parser.parse_args()))

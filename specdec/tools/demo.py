@@ -43,13 +43,13 @@ HTTP_PROMPT = "Name three prime numbers."
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec demo`."""
     parser.add_argument(
-        "--limit", type=positive_int, default=3, help="HumanEval prompts to benchmark (default 3)"
+        "--limit", type=positive_int, default=3, help="HumanEval prompts to benchmark"
     )
     parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
         default=64,
-        help="new tokens per benchmark prompt; the streamed answers get twice as many (default 64)",
+        help="new tokens per benchmark prompt; the streamed answers get twice as many",
     )
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and plot")
     parser.add_argument(
@@ -70,12 +70,12 @@ def main(args: argparse.Namespace) -> int:
         failed.
     """
     from specdec.cluster import local
-    from specdec.deployments.deploy import deploy, resolve_bundled
+    from specdec.deployments.deploy import deploy, resolve_models
 
     config = config_path(CONFIG)
     Path(args.out).mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of work
     print("== 1/5 the bundled model pair", flush=True)
-    overrides = resolve_bundled(config)
+    overrides = resolve_models(config)
     started = False
     try:
         try:

@@ -13,25 +13,40 @@ import sys
 from google.protobuf import json_format
 
 from specdec.client import SpecdecClient, build_request
+from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS
 from specdec.tools.args import add_connection_args, add_k_arg, add_proposer_arg, client_options
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec generate`."""
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the prompt text (a user message with --chat)")
     add_connection_args(parser)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--stream", action="store_true", help="print tokens as rounds commit them")
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"new tokens at most (default: the service's, {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature, 0 = greedy (default: the service's, 0)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, help="nucleus sampling mass, in (0, 1] (default: the service's, 1)"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        help="sample among the K likeliest tokens, 0 = off (default: the service's, off)",
+    )
+    parser.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_k_arg(parser, "speculative tokens per round: an int >= 0 (0 = off) or auto")
     add_proposer_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON")
-    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    parser.add_argument("--timeout", type=float, help="deadline in seconds (default: none)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,8 +7,9 @@ and a CPU variant of it for the ``cpu-demo`` overlay. ``render --check`` fails w
 (a unit test does the same).
 
 ``python -m specdec.tools.k8s models /models --roles draft target`` is the init container of the Ray
-pods: it puts the bundled pair (converted from the ``qwen-coder`` part packages) or a tiny random
-pair at ``/models/draft`` and ``/models/target``, where the Serve config expects them.
+pods: it puts the bundled pair (converted from the ``qwen-coder`` part packages), a tiny random
+pair, or any pair from the Hugging Face Hub or an object store at ``/models/draft`` and
+``/models/target``, where the Serve config expects them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from specdec.config import APPLICATION
-from specdec.tools.args import run_standalone
+from specdec.tools.args import RawDescriptionDefaultsHelpFormatter, run_standalone
 
 MODEL_ROLES = ("draft", "target")
 BASE_PATCH = Path("base/serve-config.yaml")
@@ -89,55 +90,113 @@ def rendered_files(k8s_dir: str | os.PathLike = "k8s") -> dict[Path, str]:
     }
 
 
+# The seeded tiny random pair and the bundled pair; any other source is a Hub id or a URI.
+NAMED_SOURCES = ("bundled", "tiny")
+
+
 def prepare_models(
-    dest: str | os.PathLike, roles: list[str], source: str = "bundled", dtype: str = "bfloat16"
+    dest: str | os.PathLike,
+    roles: list[str],
+    source: str = "bundled",
+    dtype: str = "bfloat16",
+    sources: dict[str, str] | None = None,
+    revisions: dict[str, str | None] | None = None,
 ) -> list[Path]:
-    """Makes ``dest/<role>`` a model directory for each role; returns those paths.
+    """Makes ``dest/<role>`` a model directory for each role; returns those paths. Also makes
+    ``dest/.calibration``, the replicas' calibration cache on the same volume.
 
     A role already present is left alone: a shared volume filled by another pod, or your own model
-    copied there. ``bundled`` converts the bundled pair once into ``dest/.bundled`` (file locks and
-    atomic renames make concurrent pods on a shared volume convert once) and links ``dest/<role>``
-    to it; ``tiny`` writes the seeded tiny random pair, the same in every pod.
+    copied there. Each role's source is ``sources[role]``, else ``source``:
+
+    - ``bundled`` converts the bundled pair once into ``dest/.bundled`` (file locks and atomic
+      renames make concurrent pods on a shared volume convert once);
+    - ``tiny`` writes the seeded tiny random pair, the same in every pod;
+    - a Hugging Face Hub id (at ``revisions[role]``, None: main; HF_TOKEN applies) is
+      downloaded into ``dest/.hub``, a folder URI (``s3://``, ``gs://``, ...) copied into
+      ``dest/.uri`` (specdec.models.sources.fetch).
+
+    ``dest/<role>`` is a relative link to what was converted or fetched, so it resolves in every
+    pod that mounts the volume.
 
     Raises:
-        ModelLoadError: bundled part packages missing from the image, or a failed conversion.
-        ValueError: an unknown role or source.
+        ModelLoadError: bundled part packages missing from the image, a failed conversion, or a
+            model that cannot be fetched.
+        ValueError: an unknown role.
     """
+    from specdec.models import sources as model_sources
+
     root = Path(dest)
     if unknown := set(roles) - set(MODEL_ROLES):
         raise ValueError(f"roles must be among {list(MODEL_ROLES)}, got {sorted(unknown)}")
-    missing = [role for role in roles if not (root / role).exists()]
-    if missing and source == "tiny":
-        from specdec.models.tiny import save_pair
+    (root / ".calibration").mkdir(parents=True, exist_ok=True)
+    revisions = revisions or {}
+    for role in roles:
+        if (root / role).exists():  # here before, or written with the other role (tiny)
+            continue
+        spec = (sources or {}).get(role) or source
+        if spec == "tiny":
+            from specdec.models.tiny import save_pair
 
-        save_pair(root, noise=0.05)  # as `specdec tiny-models`
-    elif missing and source == "bundled":
-        from specdec.models import bundled
+            save_pair(root, noise=0.05)  # as `specdec tiny-models`: both roles
+            continue
+        if spec == "bundled":
+            from specdec.models import bundled
 
-        for role in missing:
-            converted = bundled.converted_path(role, dtype, root / ".bundled")
-            link = root / f".{role}.{uuid.uuid4().hex}"  # unique: pods may race on a shared volume
-            link.symlink_to(converted.relative_to(root))
-            os.replace(link, root / role)
-    elif missing:
-        raise ValueError(f"source must be 'bundled' or 'tiny', got {source!r}")
+            folder = bundled.converted_path(role, dtype, root / ".bundled")
+        elif model_sources.is_remote(spec):
+            cache = root / (".hub" if "://" not in spec else ".uri")
+            folder = Path(model_sources.fetch(spec, revisions.get(role) or None, cache))
+        else:
+            raise ValueError(
+                f"the {role} source must be one of {list(NAMED_SOURCES)}, a Hub id or a URI, "
+                f"got {spec!r}"
+            )
+        link = root / f".{role}.{uuid.uuid4().hex}"  # unique: pods may race on a shared volume
+        link.symlink_to(os.path.relpath(folder, root))
+        os.replace(link, root / role)
     return [root / role for role in roles]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The subcommands of `specdec k8s` / `python -m specdec.tools.k8s`: render, models."""
+    """The subcommands of `specdec k8s` / `python -m specdec.tools.k8s`: render, models (their
+    help in the formatter of ``parser``)."""
     commands = parser.add_subparsers(dest="command", required=True)
-    render = commands.add_parser("render", help="write the generated files under k8s/")
-    render.add_argument("--k8s-dir", default="k8s")
+    formatter = parser.formatter_class
+    render = commands.add_parser(
+        "render", help="write the generated files under k8s/", formatter_class=formatter
+    )
+    render.add_argument("--k8s-dir", default="k8s", help="the kustomize tree to write into")
     render.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
     models = commands.add_parser(
-        "models", help="put the model pair where the Serve config expects it"
+        "models",
+        help="put the model pair where the Serve config expects it",
+        formatter_class=formatter,
     )
-    models.add_argument("dest")
-    models.add_argument("--roles", nargs="+", default=list(MODEL_ROLES), choices=MODEL_ROLES)
-    models.add_argument("--source", choices=["bundled", "tiny"], default="bundled")
+    models.add_argument("dest", help="folder for draft/ and target/ (the pods' model volume)")
     models.add_argument(
-        "--dtype", default="bfloat16", help="bundled conversion dtype (the config's)"
+        "--roles",
+        nargs="+",
+        default=list(MODEL_ROLES),
+        choices=MODEL_ROLES,
+        help="the models to put there",
+    )
+    models.add_argument(
+        "--source",
+        default="bundled",
+        help="where both models come from, unless --draft / --target say: bundled (convert the "
+        "shipped pair), tiny (the seeded tiny random pair), a Hugging Face Hub id or a folder URI",
+    )
+    for role in MODEL_ROLES:
+        models.add_argument(
+            f"--{role}",
+            help=f"the {role}'s source, as --source (an empty value: --source's)",
+        )
+        models.add_argument(
+            f"--{role}-revision",
+            help=f"the Hub revision of a Hub-id {role} (an empty value: main)",
+        )
+    models.add_argument(
+        "--dtype", default="bfloat16", help="dtype of the bundled conversion, as in the config"
     )
 
 
@@ -150,7 +209,12 @@ def main(args: argparse.Namespace) -> int:
         specdec.errors.ModelLoadError, ValueError: as prepare_models.
     """
     if args.command == "models":
-        for path in prepare_models(args.dest, args.roles, args.source, args.dtype):
+        sources = {role: getattr(args, role) for role in MODEL_ROLES}
+        revisions = {role: getattr(args, f"{role}_revision") for role in MODEL_ROLES}
+        prepared = prepare_models(
+            args.dest, args.roles, args.source, args.dtype, sources, revisions
+        )
+        for path in prepared:
             print(f"{path} -> {path.resolve()}")
         return 0
     stale = [
@@ -173,5 +237,5 @@ if __name__ == "__main__":
         main,
         prog="python -m specdec.tools.k8s",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )

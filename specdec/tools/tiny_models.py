@@ -11,7 +11,9 @@ TINY_DIR = Path("~/.cache/specdec/tiny").expanduser()
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `specdec tiny-models`."""
-    parser.add_argument("directory", nargs="?", default=str(TINY_DIR))
+    parser.add_argument(
+        "directory", nargs="?", default=str(TINY_DIR), help="folder for draft/ and target/"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ def real_pair_args(tmp_path_factory) -> dict:
     same time on the same cores (about 5 minutes on a 2-core CPU). Nothing from an earlier run
     or from the user's own deploys is in it.
     """
-    from specdec.deployments.deploy import resolve_bundled
+    from specdec.deployments.deploy import resolve_models
 
     folder = tmp_path_factory.mktemp("real-pair-calibrations")
-    return resolve_bundled(LOCAL_CONFIG, {"calibration_cache": str(folder)})
+    return resolve_models(LOCAL_CONFIG, {"calibration_cache": str(folder)})

@@ -10,8 +10,10 @@ queue fills with a handful of streams.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -27,20 +29,43 @@ pytestmark = pytest.mark.integration
 ROUTER_ONGOING = 3
 QUEUED = 1
 HUGE_PROMPT_BYTES = 5_000_000
+# The target's generation_config sampling fields, and the service's default_max_tokens: what an
+# HTTP request that leaves them out gets.
+GENERATION = {"temperature": 0.5, "top_k": 4}
+DEFAULT_MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, tiny_pair):
+def service(tmp_path_factory, tiny_pair):
+    """(gRPC client, OpenAI base URL): the tiny pair, its target a copy whose
+    generation_config sets GENERATION, and HTTP requests' token limit DEFAULT_MAX_TOKENS."""
     pytest.importorskip("ray")
     tmp = tmp_path_factory.mktemp("limits")
-    path, port = write_config(tmp, *tiny_pair)
+    target = _with_generation_config(tiny_pair[1], tmp / "target")
+    path, port = write_config(tmp, tiny_pair[0], target, default_max_tokens=DEFAULT_MAX_TOKENS)
     config = yaml.safe_load(path.read_text())
     for deployment in config["applications"][0]["deployments"]:
         if deployment["name"] == "SpeculativeRouter":
             deployment.update(max_ongoing_requests=ROUTER_ONGOING, max_queued_requests=QUEUED)
     path.write_text(yaml.safe_dump(config))
     with serving(tmp, path, port) as (client, _, _):
-        yield client
+        yield client, f"http://127.0.0.1:{config['http_options']['port']}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return service[0]
+
+
+def _with_generation_config(source: Path, copy: Path) -> Path:
+    """A copy of the model at ``source`` whose generation_config.json also sets GENERATION."""
+    from transformers import GenerationConfig
+
+    shutil.copytree(source, copy)
+    config = GenerationConfig.from_pretrained(copy)
+    config.update(do_sample=True, **GENERATION)
+    config.save_pretrained(copy)
+    return copy
 
 
 def _largest_gap(client, request, during=None):
@@ -188,3 +213,40 @@ def test_past_the_proxy_message_bound_grpc_answers_resource_exhausted(client):
         client.generate(build_request("x" * (9 * 1024**2), max_new_tokens=4))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
     assert client.generate(build_request(PROMPTS[0], max_new_tokens=4)).token_ids
+
+
+def test_http_requests_take_the_targets_generation_config_and_default_max_tokens(service):
+    """An HTTP request that sets no temperature, top_k, top_p or max_tokens samples with the
+    target's generation_config values (temperature 0.5, top_k 4), top_p 1 (OpenAI's) and
+    stops at default_max_tokens: token for token what gRPC gives with those values and seed.
+    The same seeds at OpenAI's plain defaults (temperature 1, no top-k) give other text, so
+    the comparison can tell the two apart."""
+    import openai
+
+    client, base_url = service
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as oai:
+        model = oai.models.list().data[0].id
+
+        def http(seed):
+            extra = {"num_speculative_tokens": 0}
+            return oai.completions.create(
+                model=model, prompt=PROMPTS[2], seed=seed, extra_body=extra
+            )
+
+        answers = {seed: http(seed) for seed in (1, 2, 3)}
+
+    def grpc_text(seed, **sampling):
+        request = build_request(
+            PROMPTS[2],
+            seed=seed,
+            num_speculative_tokens=0,
+            max_new_tokens=DEFAULT_MAX_TOKENS,
+            **sampling,
+        )
+        return client.generate(request).text
+
+    for seed, answer in answers.items():
+        assert answer.usage.completion_tokens <= DEFAULT_MAX_TOKENS
+        assert answer.choices[0].text == grpc_text(seed, top_p=1.0, **GENERATION)
+    plain = {seed: grpc_text(seed, temperature=1.0, top_p=1.0) for seed in answers}
+    assert plain != {seed: answer.choices[0].text for seed, answer in answers.items()}

@@ -29,7 +29,7 @@ def grpc_client(served):
 
 @pytest.fixture(scope="module")
 def base_url(served) -> str:
-    """``http://127.0.0.1:PORT/specdec/v1``: the HTTP port and route prefix Serve runs with."""
+    """``http://127.0.0.1:PORT/v1``: the HTTP port and route prefix (/) Serve runs with."""
     return http_base_url()
 
 
@@ -62,10 +62,10 @@ def test_models_lists_the_target_with_the_draft_beside_it(oai, grpc_client):
     assert listed.model_extra["max_model_len"] == info.context_limit
 
 
-def _grpc(grpc_client, k, logprobs=False, max_new_tokens=24, **fields):
+def _grpc(grpc_client, k, logprobs=False, max_new_tokens=24, temperature=0.0, **fields):
     request = build_request(
         max_new_tokens=max_new_tokens,
-        temperature=0.0,
+        temperature=temperature,
         num_speculative_tokens=k,
         logprobs=logprobs,
         **fields,
@@ -194,6 +194,48 @@ def test_logprobs_are_the_targets_as_in_grpc(oai, grpc_client, model):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+
+
+def test_the_official_client_needs_only_the_base_url_and_the_model(base_url, model, monkeypatch):
+    """``OpenAI(base_url=".../v1")`` (its key from OPENAI_API_KEY, as the client reads it; no
+    key is configured here) and a request naming only the model and its messages: OpenAI's
+    defaults, sampled, up to a stop or the context limit. The /specdec/v1 alias answers too."""
+    assert base_url.endswith(":" + base_url.split(":")[2].split("/")[0] + "/v1")  # root prefix
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    with openai.OpenAI(base_url=base_url) as client:
+        (listed,) = client.models.list().data
+        answer = client.chat.completions.create(model=model, messages=MESSAGES)
+    choice, usage = answer.choices[0], answer.usage
+    assert isinstance(choice.message.content, str) and usage.completion_tokens >= 1
+    if choice.finish_reason == "length":  # no max_tokens: the context limit ended it
+        assert usage.total_tokens == listed.model_extra["max_model_len"]
+    else:
+        assert choice.finish_reason == "stop"
+    alias = base_url.removesuffix("/v1") + "/specdec/v1"
+    with openai.OpenAI(base_url=alias, api_key="unused", max_retries=0) as client:
+        assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_unset_sampling_fields_are_openais_defaults(oai, grpc_client, model):
+    """A request without temperature, top_p and max_tokens samples as gRPC does at temperature
+    1, top_p 1, up to the context limit (the tiny target's generation_config sets none of
+    them), token for token with the same seed."""
+    context = oai.models.list().data[0].model_extra["max_model_len"]
+    for seed in (1, 2):
+        answer = oai.completions.create(
+            model=model, prompt=PROMPTS[1], seed=seed, extra_body={"num_speculative_tokens": 0}
+        )
+        expected = _grpc(
+            grpc_client,
+            0,
+            prompt=PROMPTS[1],
+            temperature=1.0,
+            top_p=1.0,
+            seed=seed,
+            max_new_tokens=context,
+        )
+        assert answer.choices[0].text == expected.text
+        assert answer.usage.completion_tokens == expected.usage.completion_tokens
 
 
 def test_sampling_parameters_and_seed_reach_the_round_loop(oai, model):

@@ -221,9 +221,11 @@ def _http_get(path, timeout_s=10.0):
 
 
 def test_http_health_and_ready(client):
-    assert _http_get("/health") == (200, {"status": "alive"})
-    status, body = _http_get("/ready")
-    assert status == 200 and body["ready"] is True, body
+    """At the root (the shipped route prefix is /) and under the /specdec alias alike."""
+    for prefix in ("", "/specdec"):
+        assert _http_get(prefix + "/health") == (200, {"status": "alive"})
+        status, body = _http_get(prefix + "/ready")
+        assert status == 200 and body["ready"] is True, body
 
 
 def test_replicas_run_only_on_their_pool_nodes(client):

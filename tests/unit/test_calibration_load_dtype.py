@@ -23,9 +23,9 @@ def requests(monkeypatch):
     """[(dtype, device)] load_calibrated asked load_model for; each model loads on the CPU."""
     asked = []
 
-    def recording(spec, *, dtype, device):
+    def recording(spec, *, dtype, device, revision=None):
         asked.append((dtype, device))
-        return load_model(spec, dtype=dtype, device="cpu")
+        return load_model(spec, dtype=dtype, device="cpu", revision=revision)
 
     monkeypatch.setattr(load, "load_model", recording)
     return asked
@@ -72,7 +72,7 @@ def test_load_calibrated_asks_load_model_for_the_load_dtype(
 ):
     asked = []
 
-    def stop(spec, *, dtype, device):
+    def stop(spec, *, dtype, device, revision=None):
         asked.append((dtype, device))
         raise _Asked
 

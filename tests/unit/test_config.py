@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -393,11 +394,11 @@ def test_resolve_bundled_converts_in_the_dtype_the_replicas_load(tmp_path, monke
     calls = []
     monkeypatch.setattr(bundled, "resolve", lambda spec, dtype: calls.append((spec, dtype)) or spec)
     bundled_pair = {"draft_model": "bundled:draft", "target_model": "bundled:target"}
-    deploy.resolve_bundled(_serve_config(tmp_path, **bundled_pair))
+    deploy.resolve_models(_serve_config(tmp_path, **bundled_pair))
     default = ModelConfig().dtype  # one default for the conversion and the replicas
     assert calls == [("bundled:draft", default), ("bundled:target", default)]
     calls.clear()
-    deploy.resolve_bundled(
+    deploy.resolve_models(
         _serve_config(tmp_path, **bundled_pair, dtype="bfloat16", draft_dtype="int8")
     )
     assert calls == [("bundled:draft", "int8"), ("bundled:target", "bfloat16")]
@@ -448,6 +449,7 @@ def test_serve_parses_the_config_once_and_deploys_that_object(tmp_path, monkeypa
     monkeypatch.setattr(bundled, "resolve", lambda spec, dtype: f"/converted/{spec}-{dtype}")
     monkeypatch.setattr(local, "address", lambda: "127.0.0.1:1")
     monkeypatch.setattr(deploy, "deploy", lambda config, **kw: deployed.append((config, kw)))
+    monkeypatch.setattr("specdec.tools.serve.check_pair", lambda config: None)  # no such models
     path = _serve_config(tmp_path, draft_model="bundled:draft", target_model="/models/target")
     assert main(["serve", "--config", str(path), "--draft-dtype", "int8"]) == 0
     assert len(parses) == 1
@@ -457,4 +459,91 @@ def test_serve_parses_the_config_once_and_deploys_that_object(tmp_path, monkeypa
     (app,) = [a for a in config.schema.applications if a.name == APPLICATION]
     assert app.args["draft_model"] == "/converted/bundled:draft-int8"
     assert app.args["draft_dtype"] == "int8"
-    assert f"gRPC on port {config.grpc_port}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"gRPC  127.0.0.1:{config.grpc_port}" in out
+    assert "HTTP  http://127.0.0.1:8000/v1 " in out  # the shipped route prefix is /
+
+
+def _deployed_with(tmp_path, monkeypatch, *flags: str):
+    """The ServeConfig `specdec serve --config X --address A FLAGS` would deploy (deploy
+    replaced), and what it printed."""
+    from specdec.cli import main
+    from specdec.deployments import deploy
+
+    deployed = []
+    monkeypatch.setattr(deploy, "deploy", lambda config, **kw: deployed.append(config))
+    path = _serve_config(tmp_path, **BASE)
+    status = main(["serve", "--config", str(path), "--address", "127.0.0.1:1", *flags])
+    return status, (deployed[0] if deployed else None)
+
+
+def test_serve_set_overrides_a_setting_and_any_serve_config_path(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("ray")
+    from specdec.deployments.deploy import deployment_options
+
+    status, config = _deployed_with(
+        tmp_path,
+        monkeypatch,
+        *("--set", "call_timeout_s=7", "--set", "default_max_tokens=null"),
+        *("--set", "deployments.TargetModel.autoscaling_config.max_replicas=4"),
+        *("--set", "deployments.DraftModel.max_ongoing_requests=9"),
+        *("--set", "http_options.port=8123", "--set", "proxy_location=EveryNode"),
+    )
+    assert status == 0
+    assert config.app.service.call_timeout_s == 7.0
+    assert config.app.service.default_max_tokens is None
+    (app,) = config.schema.applications
+    options = {d.name: deployment_options(d) for d in app.deployments}
+    assert options["TargetModel"]["autoscaling_config"]["max_replicas"] == 4
+    # the rest of the entry is the config's
+    assert options["TargetModel"]["autoscaling_config"]["target_ongoing_requests"] == 8
+    assert options["DraftModel"]["max_ongoing_requests"] == 9
+    assert config.schema.proxy_location == "EveryNode"
+    assert "http://127.0.0.1:8123/v1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("no_such_setting=1", "no_such_setting"),
+        ("nothing.port=1", "nothing.port"),
+        ("deployments.TargetModel=1", "deployments.TargetModel"),
+        ("call_timeout_s=[1", "call_timeout_s"),
+    ],
+)
+def test_a_bad_set_is_refused_naming_its_key(tmp_path, monkeypatch, capsys, flag, named):
+    pytest.importorskip("ray")
+    with pytest.raises(SystemExit) if "[" in flag else contextlib.nullcontext():
+        status, config = _deployed_with(tmp_path, monkeypatch, "--set", flag)
+        assert (status, config) == (1, None)
+    err = capsys.readouterr().err
+    assert named in err, err
+
+
+def test_a_deployment_entry_the_app_cannot_apply_is_refused_before_deploying(tmp_path):
+    """Options for no deployment, or a field Deployment.options() has not, are refused when the
+    application is built here, before Serve starts; the app's runtime_env sits under each
+    deployment's own, as Serve merges them."""
+    pytest.importorskip("ray")
+    from ray.serve.schema import DeploymentSchema
+
+    from specdec.deployments.deploy import ServeConfig, deployment_options, run_target
+
+    path = _serve_config(tmp_path, **BASE)
+    config = ServeConfig.load(path, {"deployments.Nope.num_replicas": 2})
+    with pytest.raises(ConfigError, match="no deployment named 'Nope'"):
+        run_target(config.schema.applications[0])
+    entry = DeploymentSchema(name="TargetModel", rolling_update_percentage=0.5)
+    with pytest.raises(ConfigError) as err:
+        deployment_options(entry)
+    assert err.value.field == "deployments.TargetModel.rolling_update_percentage"
+    own = {"runtime_env": {"env_vars": {"A": "own"}, "pip": ["x"]}, "num_cpus": 0}
+    merged = deployment_options(
+        DeploymentSchema(name="TargetModel", ray_actor_options=own),
+        {"env_vars": {"A": "app", "B": "app"}, "pip": ["y"], "working_dir": "."},
+    )["ray_actor_options"]
+    assert merged["runtime_env"] == {
+        "env_vars": {"A": "own", "B": "app"},
+        "pip": ["x"],
+        "working_dir": ".",
+    }

@@ -257,8 +257,10 @@ def test_draft_with_a_different_tokenizer_is_refused(tiny_pair, tmp_path):
         SpeculativeEngine.from_pretrained(other_draft, target)
 
 
-def test_missing_model_is_a_clear_error_and_never_downloads(tmp_path):
-    with pytest.raises(ModelLoadError, match="never downloads"):
+def test_missing_model_is_a_clear_error_naming_it(tmp_path):
+    """A Hub id that cannot be fetched (no such repository, or no network, as here) names the
+    id and its revision (tests/unit/test_model_sources.py covers each cause)."""
+    with pytest.raises(ModelLoadError, match="no-such-org/no-such-model@main: "):
         load_model("no-such-org/no-such-model")
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         load_model(tmp_path / "missing.gguf")

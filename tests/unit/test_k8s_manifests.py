@@ -565,11 +565,30 @@ def test_gateway_terminates_tls_for_both_apis_and_routes_to_the_serve_service():
             assert rule["backendRefs"] == [{"name": ROUTER_SVC, "port": port}]
     assert len(hostnames) == 2  # an HTTPRoute and a GRPCRoute may not share a hostname
     (http_rule,) = _one(docs, "HTTPRoute")["spec"]["rules"]
-    prefix = next(a for a in config["applications"] if a["name"] == "specdec")["route_prefix"]
-    assert http_rule["matches"] == [{"path": {"type": "PathPrefix", "value": f"{prefix}/"}}]
+    _check_http_matches(http_rule["matches"], config)
     (grpc_rule,) = _one(docs, "GRPCRoute")["spec"]["rules"]
     services = {m["method"]["service"] for m in grpc_rule["matches"]}
     assert services == {"specdec.v1.SpeculativeDecoding", "grpc.health.v1.Health"}
+
+
+def _check_http_matches(matches: list[dict], config: dict) -> None:
+    """The HTTPRoute's path matches let through every route of the router's HTTP app (the API,
+    health, their /specdec aliases) under the application's route prefix, and each match lets
+    through at least one of them (never Serve's own /-/ routes)."""
+    from specdec.deployments import http_health  # noqa: F401 - registers the health routes
+    from specdec.deployments.http_api import ROUTE_PATHS
+
+    prefix = next(a for a in config["applications"] if a["name"] == "specdec")["route_prefix"]
+    paths = {prefix.rstrip("/") + path for path in ROUTE_PATHS}
+    assert "/v1/chat/completions" in paths and "/specdec/v1/completions" in paths
+
+    def passes(match: dict, path: str) -> bool:
+        kind, value = match["path"]["type"], match["path"]["value"]
+        return path == value if kind == "Exact" else path.startswith(value)
+
+    assert {p for p in paths if not any(passes(m, p) for m in matches)} == set()
+    assert [m for m in matches if not any(passes(m, p) for p in paths)] == []
+    assert not any(passes(m, "/-/routes") or passes(m, "/-/healthz") for m in matches)
 
 
 def test_network_policy_check_catches_open_ports_and_missing_egress():
@@ -690,3 +709,20 @@ def test_prepare_models_links_the_bundled_pair_once(tmp_path, monkeypatch):
     assert converted == ["draft"]
     with pytest.raises(ValueError, match="roles"):
         k8s.prepare_models(tmp_path, ["router"])
+
+
+def test_prepare_models_links_a_uri_source_inside_the_volume(tmp_path, tiny_pair):
+    """A role from a folder URI is copied under the volume and linked relatively (the link
+    resolves in every pod that mounts the volume elsewhere); the calibration cache's folder is
+    made beside the models; an unknown source is named."""
+    volume = tmp_path / "models"
+    (path,) = k8s.prepare_models(volume, ["target"], sources={"target": tiny_pair[1].as_uri()})
+    link = path.readlink()
+    assert not link.is_absolute() and link.parts[0] == ".uri"
+    moved = tmp_path / "elsewhere"
+    volume.rename(moved)
+    config = (moved / "target" / "config.json").read_bytes()
+    assert config == (tiny_pair[1] / "config.json").read_bytes()
+    assert (moved / ".calibration").is_dir()
+    with pytest.raises(ValueError, match="the draft source must be one of"):
+        k8s.prepare_models(tmp_path / "other", ["draft"], sources={"draft": "no-such-thing"})

@@ -361,7 +361,7 @@ def test_sse_events():
 def test_the_shipped_local_config_serves_the_api_on_port_8000():
     from specdec.tools.args import config_path, openai_base_url
 
-    assert openai_base_url(config_path("local.yaml")) == "http://127.0.0.1:8000/specdec/v1"
+    assert openai_base_url(config_path("local.yaml")) == "http://127.0.0.1:8000/v1"
 
 
 def test_models_answers_while_no_draft_replica_has_answered():
@@ -389,3 +389,76 @@ def test_models_answers_while_no_draft_replica_has_answered():
         None,
         256,
     )
+
+
+def _applied(defaults: openai_api.RequestDefaults, body: dict, context_limit: int = 256):
+    request = parse(COMPLETIONS, {"prompt": "hi", **body}).request
+    defaults.apply(request, context_limit)
+    return request.temperature, request.top_p, request.top_k, request.max_new_tokens
+
+
+def test_unset_http_fields_take_openais_defaults_and_run_to_the_context():
+    """No generation_config values: temperature 1, top_p 1, no top-k (OpenAI's), and tokens up
+    to the context limit (the router caps it to what the prompt leaves)."""
+    defaults = openai_api.RequestDefaults.of({})
+    assert _applied(defaults, {}) == (1.0, 1.0, 0, 256)
+    assert _applied(defaults, {"temperature": 0, "max_tokens": 5}) == (0.0, 1.0, 0, 5)
+
+
+def test_unset_http_fields_take_the_targets_generation_config_first():
+    generation = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    defaults = openai_api.RequestDefaults.of(generation, default_max_tokens=100)
+    assert _applied(defaults, {}) == (0.7, 0.8, 20, 100)
+    # A request's own value wins, field by field.
+    assert _applied(defaults, {"top_k": 0, "top_p": 1, "max_tokens": 9}) == (0.7, 1.0, 0, 9)
+    # default_max_tokens never exceeds the context limit (it would be refused as the client's).
+    assert _applied(defaults, {}, context_limit=64)[3] == 64
+    # The model's own max_new_tokens comes before the service's default_max_tokens.
+    with_limit = openai_api.RequestDefaults.of({"max_new_tokens": 30}, default_max_tokens=100)
+    assert _applied(with_limit, {})[3] == 30
+
+
+def test_generation_defaults_reads_the_sampling_fields_a_model_sets(tmp_path, caplog):
+    from transformers import GenerationConfig
+
+    from specdec.models.loading import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}  # no generation_config.json
+    GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05
+    ).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="specdec.models.loading"):
+        assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert "repetition_penalty" in caplog.text  # not applied, and said so
+
+
+def test_the_served_model_name_is_the_id_the_api_lists():
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdec.api_keys import ApiKeys
+    from specdec.config import SpecdecConfig
+    from specdec.deployments.http_api import OpenAIRoutes
+    from specdec.v1 import worker_pb2
+
+    target = worker_pb2.ReplicaInfo(name="/hub/snapshots/abc", vocab_size=32, context_limit=256)
+
+    async def model_info():
+        return None, target
+
+    config = SpecdecConfig().with_settings(served_model_name="acme/coder")
+    router = SimpleNamespace(_model_info=model_info, config=config, api_keys=ApiKeys())
+    response = asyncio.run(OpenAIRoutes.list_models(router, SimpleNamespace(headers={})))
+    assert json.loads(response.body)["data"][0]["id"] == "acme/coder"
+
+
+def test_a_chat_template_setting_is_a_template_or_a_file(tmp_path):
+    from specdec.errors import ModelLoadError
+    from specdec.models.loading import read_chat_template
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert read_chat_template(inline) == inline
+    (tmp_path / "t.jinja").write_text(inline)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == inline
+    with pytest.raises(ModelLoadError, match="chat_template: neither a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -40,6 +40,7 @@ def load_calibrated(
     exact_widths: bool = True,
     max_batch_size: int = 1,
     cache: CalibrationCache | None = None,
+    revision: str | None = None,
 ) -> tuple[LoadedModel, Calibration]:
     """Loads a model (specdec.models.loading.load_model) and calibrates it in the candidates of
     the ``dtype`` and ``gemm`` settings (candidates.configured; ``gemm`` None: its null, see
@@ -72,7 +73,9 @@ def load_calibrated(
         return stored, reused
 
     with while_none_measures(device):
-        loaded = load_model(spec, dtype=load_dtype(candidates, device), device=device)
+        loaded = load_model(
+            spec, dtype=load_dtype(candidates, device), device=device, revision=revision
+        )
         key = cache and cache.key(
             loaded.model,
             role,
