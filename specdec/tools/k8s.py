@@ -167,6 +167,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     render.add_argument("--k8s-dir", default="k8s", help="the kustomize tree to write into")
     render.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
+    check = commands.add_parser(
+        "check",
+        help="pre-flight a cluster for an overlay: KubeRay, GPU nodes, storage, secrets",
+        formatter_class=formatter,
+    )
+    check.add_argument("overlay", help="the kustomization to check (e.g. k8s/overlays/gke)")
+    check.add_argument("--namespace", default="default", help="where the RayService goes")
+    check.add_argument("--kubeconfig", help="kubectl's kubeconfig (default: kubectl's own)")
+    check.add_argument("--context", help="the kubeconfig context (default: its current one)")
     models = commands.add_parser(
         "models",
         help="put the model pair where the Serve config expects it",
@@ -203,11 +212,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``models``: prepare_models, printing each path and its target; returns 0. ``render``:
     writes the stale generated files, or with --check lists them on stderr; returns 1 when
-    --check found any, else 0.
+    --check found any, else 0. ``check``: the pre-flight (specdec.tools.k8s_check), each
+    finding a line; returns 1 when any is an error.
 
     Raises:
-        specdec.errors.ModelLoadError, ValueError: as prepare_models.
+        specdec.errors.ModelLoadError, ValueError: as prepare_models. RuntimeError: kubectl
+        failed (check).
     """
+    if args.command == "check":
+        return preflight_command(args)
     if args.command == "models":
         sources = {role: getattr(args, role) for role in MODEL_ROLES}
         revisions = {role: getattr(args, f"{role}_revision") for role in MODEL_ROLES}
@@ -229,6 +242,19 @@ def main(args: argparse.Namespace) -> int:
             path.write_text(rendered_files(args.k8s_dir)[path])
             print(f"wrote {path}")
     return 1 if args.check and stale else 0
+
+
+def preflight_command(args: argparse.Namespace) -> int:
+    """``check``: renders the overlay and reads the cluster with kubectl, prints the findings."""
+    from specdec.tools.k8s_check import ClusterFacts, Kubectl, preflight
+
+    kubectl = Kubectl(args.kubeconfig, args.context)
+    findings = preflight(ClusterFacts.gather(kubectl, args.namespace), kubectl.render(args.overlay))
+    for finding in findings:
+        print(finding)
+    errors = sum(f.level == "error" for f in findings)
+    print(f"{args.overlay}: {errors} errors, {len(findings) - errors} warnings")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

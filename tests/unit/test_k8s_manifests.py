@@ -23,12 +23,18 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from specdec.config import ServiceConfig
-from specdec.tools import k8s
+from specdec.tools import k8s, k8s_check
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 KUBERAY = REPO.parent / "shared" / "data" / "kuberay"
-KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-demo"]
+# The provider overlays: each puts draft and target on a node pool of its own by this label.
+PROVIDER_POOL_LABELS = {
+    "overlays/gke": "cloud.google.com/gke-nodepool",
+    "overlays/eks": "eks.amazonaws.com/nodegroup",
+    "overlays/aks": "kubernetes.azure.com/agentpool",
+}
+KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-demo", *PROVIDER_POOL_LABELS]
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes these manifests promise to work on
 SERVE_PORTS = {8000, 9000}
 ROUTER_SVC = "specdec-router"  # the Service clients (and the gateway) enter by
@@ -127,43 +133,20 @@ def _serve_config(rayservice: dict) -> dict:
 # --- checks, each returning its problems (the negative tests feed them broken copies) ---------
 
 
-def _strict(schema):
-    """The schema with additionalProperties: false on every object node with properties, except
-    where Kubernetes keeps unknown fields (x-kubernetes-preserve-unknown-fields)."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if "properties" in out:
-        out["properties"] = {name: _strict(s) for name, s in out["properties"].items()}
-        if not out.get("x-kubernetes-preserve-unknown-fields"):
-            out.setdefault("additionalProperties", False)
-    for key in ("items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"):
-        if isinstance(out.get(key), (dict, list)):
-            out[key] = _strict(out[key])
-    return out
-
-
 @pytest.fixture(scope="module")
 def crd_validators() -> dict[str, jsonschema.protocols.Validator]:
+    return k8s_check.crd_validators(kuberay_crds())
+
+
+def kuberay_crds() -> list[dict]:
+    """The KubeRay CRDs of ../shared/data (the test skips without them)."""
     if not KUBERAY.is_dir():
         pytest.skip(f"KubeRay CRDs not found at {KUBERAY} (they come with ../shared/data)")
-    validators = {}
-    for path in KUBERAY.glob("ray.io_*.yaml"):
-        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-        validators[crd["spec"]["names"]["kind"]] = jsonschema.Draft7Validator(
-            _strict(version["schema"]["openAPIV3Schema"])
-        )
-    return validators
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return [yaml.load(path.read_text(), Loader=loader) for path in KUBERAY.glob("ray.io_*.yaml")]
 
 
-def crd_errors(doc: dict, validators) -> list[str]:
-    return [
-        f"{doc['kind']}/{'/'.join(map(str, e.absolute_path))}: {e.message}"
-        for e in validators[doc["kind"]].iter_errors(doc)
-    ]
+crd_errors = k8s_check.crd_errors
 
 
 def _group_resources(group: dict) -> tuple[dict[str, float], list[str]]:
@@ -244,8 +227,9 @@ def _gateway_peer() -> dict:
 def network_policy_problems(docs: list[dict]) -> list[str]:
     """Ingress and egress of the specdec pods: Serve's ports (8000, 9000) only from the gateway's
     pods or the RayService's own, never from every namespace or every pod; every peer names
-    pods; egress only to the RayService's pods and the cluster DNS (port 53), and the head's
-    autoscaler to the Kubernetes API (443, 6443) in a policy of the head alone."""
+    pods; egress only to the RayService's pods and the cluster DNS (port 53), the head's
+    autoscaler to the Kubernetes API (443, 6443) in a policy of the head alone, and the worker
+    pods' model downloads to HTTPS (443) in MODEL_DOWNLOADS."""
     policies = _policies(docs)
     main = policies.get("specdec")
     if main is None:
@@ -285,6 +269,9 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
     for name, spec in policies.items():
         if name == "specdec":
             continue
+        if name == MODEL_DOWNLOADS:
+            problems += _download_policy_problems(spec)
+            continue
         labels = spec["podSelector"].get("matchLabels", {})
         if labels.get("app.kubernetes.io/component") != "head" or spec["policyTypes"] != ["Egress"]:
             problems.append(f"{name}: not an egress policy of the head alone")
@@ -292,6 +279,27 @@ def network_policy_problems(docs: list[dict]) -> list[str]:
             ports = {p["port"] for p in rule.get("ports", [])}
             if not ports or not ports <= {443, 6443}:
                 problems.append(f"{name}: egress beyond the Kubernetes API: {rule}")
+    return problems
+
+
+# The one egress policy of the model pods beyond the RayService: HTTPS, for the init
+# containers' downloads of a Hub id or URI (k8s/base/models.yaml).
+MODEL_DOWNLOADS = "specdec-model-downloads"
+
+
+def _download_policy_problems(spec: dict) -> list[str]:
+    """The downloads policy selects only worker pods (router, draft, target), only for egress,
+    and admits HTTPS (443) only."""
+    problems = []
+    expressions = {e["key"]: e for e in spec["podSelector"].get("matchExpressions", [])}
+    components = expressions.get("app.kubernetes.io/component", {})
+    if components.get("operator") != "In" or "head" in components.get("values", ["head"]):
+        problems.append(f"{MODEL_DOWNLOADS}: selects more than the worker pods: {spec}")
+    if spec.get("policyTypes") != ["Egress"]:
+        problems.append(f"{MODEL_DOWNLOADS}: not an egress policy alone")
+    for rule in spec.get("egress", []):
+        if {p["port"] for p in rule.get("ports", [])} != {443}:
+            problems.append(f"{MODEL_DOWNLOADS}: egress beyond HTTPS: {rule}")
     return problems
 
 
@@ -381,13 +389,22 @@ def test_model_init_containers_convert_in_the_serving_dtype(rendered):
         (init,) = group["template"]["spec"]["initContainers"]
         command = init["command"]
         assert command[:5] == ["python", "-m", "specdec.tools.k8s", "models", "/models"]
-        if "bundled" in command:
+        if "tiny" not in command:  # a bundled source converts in --dtype
             # dtype auto loads the stored bfloat16 checkpoint and casts it per candidate.
             stored = "bfloat16" if args["dtype"] == "auto" else args["dtype"]
             assert command[command.index("--dtype") + 1] == stored, group["groupName"]
 
 
-def test_gpu_groups_sit_on_their_own_gpu_node_pools(rendered):
+def _required_node_terms(pod: dict) -> list[dict]:
+    """The match expressions a pod's node affinity requires (every node selector term's)."""
+    required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    return [e for term in required["nodeSelectorTerms"] for e in term["matchExpressions"]]
+
+
+def test_gpu_groups_select_nodes_by_labels_their_nodes_already_carry(rendered):
+    """No hand-set label: the base and overlays/gpu pick the GPU class by NVIDIA feature
+    discovery's nvidia.com/gpu.product (both groups alike), each provider overlay puts draft
+    and target on node pools of their own by the provider's node-pool label."""
     name, docs = rendered
     spec = _one(docs, "RayService")["spec"]["rayClusterConfig"]
     assert spec["enableInTreeAutoscaling"] is True
@@ -402,8 +419,15 @@ def test_gpu_groups_sit_on_their_own_gpu_node_pools(rendered):
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         assert 1 <= groups[group_name]["minReplicas"] <= groups[group_name]["maxReplicas"]
-        selectors.append(pod["nodeSelector"])
-    assert selectors[0] != selectors[1], "draft and target share a node pool"
+        assert "nodeSelector" not in pod, "a label set by hand"
+        selectors.append(_required_node_terms(pod))
+    if name in PROVIDER_POOL_LABELS:
+        assert selectors[0] != selectors[1], "draft and target share a node pool"
+        assert {e["key"] for terms in selectors for e in terms} == {PROVIDER_POOL_LABELS[name]}
+    else:
+        assert selectors[0] == selectors[1]
+        ((expression,),) = {tuple(map(repr, terms)) for terms in selectors}
+        assert "nvidia.com/gpu.product" in expression and "H100" in expression
 
 
 def test_draft_and_target_share_a_gpu_class_and_the_router_prefers_target_hosts(rendered):
@@ -414,8 +438,9 @@ def test_draft_and_target_share_a_gpu_class_and_the_router_prefers_target_hosts(
     rayservice = _one(docs, "RayService")
     app = next(a for a in _serve_config(rayservice)["applications"] if a["name"] == "specdec")
     options = {d["name"]: d.get("ray_actor_options", {}) for d in app["deployments"]}
-    types = {options[n].get("accelerator_type") for n in ("DraftModel", "TargetModel")}
-    assert len(types) == 1, types
+    # The GPU class lives in the groups' node affinity alone (a kustomize patch changes it, no
+    # render step), never also in the Serve config.
+    assert not any("accelerator_type" in o for o in options.values()), options
     groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     router = groups["router"]["template"]["spec"]["affinity"]
     target_group = next(g for g in groups.values() if "target_pool" in g["resources"])
@@ -622,6 +647,16 @@ def test_network_policy_check_catches_open_ports_and_missing_egress():
     assert any("egress 2" in p for p in broken(egress_anywhere))
     assert any("beyond the Kubernetes API" in p for p in broken(head_anywhere))
 
+    def downloads_on_every_port(policies):
+        policies[MODEL_DOWNLOADS]["egress"][0]["ports"] = []
+
+    def downloads_from_the_head(policies):
+        selector = policies[MODEL_DOWNLOADS]["podSelector"]["matchExpressions"]
+        next(e for e in selector if e["key"].endswith("component"))["values"].append("head")
+
+    assert any("egress beyond HTTPS" in p for p in broken(downloads_on_every_port))
+    assert any("more than the worker pods" in p for p in broken(downloads_from_the_head))
+
 
 def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
     rayservice = _one(render(K8S / "overlays/gpu"), "RayService")
@@ -639,7 +674,8 @@ def test_crd_validation_rejects_unknown_and_misplaced_fields(crd_validators):
 
 
 def test_kubernetes_validation_rejects_unknown_fields():
-    policy = copy.deepcopy(next(d for d in render(K8S / "base") if d["kind"] == "NetworkPolicy"))
+    policies = [d for d in render(K8S / "base") if d["kind"] == "NetworkPolicy"]
+    policy = copy.deepcopy(next(d for d in policies if d["metadata"]["name"] == "specdec"))
     policy["spec"]["ingress"][0]["port"] = 8000
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
@@ -686,6 +722,15 @@ def test_renderer_applies_json_patch_ops():
     assert doc == {"a": {"b": [9, 2, 3]}, "c": 2, "d/e": 4}
     with pytest.raises(KeyError):
         apply_json_patch(doc, [{"op": "replace", "path": "/missing", "value": 0}])
+
+
+@pytest.mark.parametrize("name", ["overlays/gpu", *PROVIDER_POOL_LABELS])
+def test_every_pod_of_the_specdec_image_has_the_pull_secret(name):
+    rayservice = _one(render(K8S / name), "RayService")["spec"]["rayClusterConfig"]
+    pods = [rayservice["headGroupSpec"]] + rayservice["workerGroupSpecs"]
+    for pod in pods:
+        spec = pod["template"]["spec"]
+        assert spec.get("imagePullSecrets") == [{"name": "specdec-pull"}], pod.get("groupName")
 
 
 def test_prepare_models_links_the_bundled_pair_once(tmp_path, monkeypatch):
