@@ -36,10 +36,10 @@ def serving(
     tmp: Path, config: Path, port: int, deploy_timeout_s: float = 300, call_timeout_s: float = 120
 ):
     """Starts a local cluster in ``tmp/state``, deploys ``config`` and yields (client,
-    ClusterInfo, gRPC address); afterwards shuts Serve down, disconnects and stops exactly that
-    cluster."""
+    ClusterInfo, gRPC address); afterwards disconnects and stops exactly that cluster. Serve is
+    not shut down first: the cluster's processes, Serve's among them, all stop with it, and a
+    graceful shutdown waited up to 25 s for replicas on a node a test had killed."""
     import ray
-    from ray import serve
 
     from specdec.cluster.local import LocalCluster
     from specdec.deployments.deploy import deploy
@@ -52,5 +52,4 @@ def serving(
                 yield client, info, address
         finally:
             if ray.is_initialized():
-                serve.shutdown()
                 ray.shutdown()

@@ -409,11 +409,11 @@ def _probe_until(done, check, period_s=0.25):
 
 
 def test_readiness_answers_within_a_second_under_64_long_streams(client, reference):
-    """64 greedy streams of 128 tokens each in flight: gRPC health Check, with a kubelet-like
+    """64 greedy streams of 96 tokens each in flight: gRPC health Check, with a kubelet-like
     1 s deadline, answers SERVING every time, and so does HTTP /ready; every stream still ends
     with the target-only tokens."""
     stub = health_pb2_grpc.HealthStub(client.channel)
-    n, streams = 128, 64
+    n, streams = 96, 64
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
     running = []
 
