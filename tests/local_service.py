@@ -40,6 +40,7 @@ def serving(
     not shut down first: the cluster's processes, Serve's among them, all stop with it, and a
     graceful shutdown waited up to 25 s for replicas on a node a test had killed."""
     import ray
+    from ray.serve import context as serve_context
 
     from specdec.cluster.local import LocalCluster
     from specdec.deployments.deploy import deploy
@@ -53,3 +54,8 @@ def serving(
         finally:
             if ray.is_initialized():
                 ray.shutdown()
+            # Serve caches its controller client per process and keys it by job id, which
+            # restarts at 01000000 on every cluster: without serve.shutdown() the next cluster's
+            # first driver would be handed this dead cluster's controller. Forget it (Serve's
+            # own disconnect: it stops nothing).
+            serve_context._disconnect()
