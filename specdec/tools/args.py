@@ -192,33 +192,6 @@ def config_path(name: str) -> Path:
     )
 
 
-def grpc_port(config: Path) -> int:
-    """The gRPC port (grpc_options.port) a Serve config YAML file serves on.
-
-    Raises:
-        OSError: the file cannot be read. KeyError: the config has no grpc_options.port.
-    """
-    import yaml
-
-    return yaml.safe_load(config.read_text())["grpc_options"]["port"]
-
-
-def openai_base_url(config: Path, application: str = APPLICATION) -> str:
-    """The OpenAI-compatible API's base URL (``http://127.0.0.1:PORT/PREFIX/v1``) of a Serve
-    config YAML file: its http_options.port and the application's route_prefix.
-
-    Raises:
-        OSError: the file cannot be read. KeyError: no http_options.port. StopIteration: no
-        application of that name.
-    """
-    import yaml
-
-    raw = yaml.safe_load(config.read_text())
-    app = next(a for a in raw["applications"] if a["name"] == application)
-    prefix = app.get("route_prefix", "/").rstrip("/")
-    return f"http://127.0.0.1:{raw['http_options']['port']}{prefix}/v1"
-
-
 def run_standalone(
     add_cli_args: Callable[[argparse.ArgumentParser], None],
     main: Callable[[argparse.Namespace], int],

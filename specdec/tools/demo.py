@@ -29,7 +29,7 @@ from pathlib import Path
 
 from specdec.client import SpecdecClient, build_request
 from specdec.config import APPLICATION
-from specdec.tools.args import config_path, grpc_port, openai_base_url, positive_int
+from specdec.tools.args import config_path, positive_int
 from specdec.tools.generate import print_summary
 
 CONFIG = "local.yaml"
@@ -70,12 +70,12 @@ def main(args: argparse.Namespace) -> int:
         failed.
     """
     from specdec.cluster import local
-    from specdec.deployments.deploy import deploy, resolve_models
+    from specdec.deployments.deploy import ServeConfig, deploy, local_models
 
-    config = config_path(CONFIG)
+    config = ServeConfig.load(config_path(CONFIG))
     Path(args.out).mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of work
     print("== 1/5 the bundled model pair", flush=True)
-    overrides = resolve_models(config)
+    config = config.with_settings(**local_models(config))
     started = False
     try:
         try:
@@ -85,14 +85,14 @@ def main(args: argparse.Namespace) -> int:
             print("== 2/5 starting the local cluster (head, draft pool, target pool)", flush=True)
             address, started = local.up().address, True
         start = time.perf_counter()
-        deploy(config, address=address, overrides=overrides)
+        deploy(config, address=address)
         print(f"   deployed in {time.perf_counter() - start:.0f} s", flush=True)
-        grpc_address = f"127.0.0.1:{grpc_port(config)}"
+        grpc_address = f"127.0.0.1:{config.grpc_port}"
         with SpecdecClient(grpc_address, APPLICATION, timeout_s=900) as client:
             print(f"== 3/5 streaming through gRPC at {grpc_address}", flush=True)
             for name, prompt in PROMPTS:
                 _stream(client, name, prompt, args.max_new_tokens)
-        base_url = openai_base_url(config)
+        base_url = config.http_base_url
         print(f"== 4/5 one chat completion through the OpenAI API at {base_url}", flush=True)
         _print_http_chat(http_chat(base_url, HTTP_PROMPT, args.max_new_tokens))
         print(

@@ -359,9 +359,11 @@ def test_sse_events():
 
 
 def test_the_shipped_local_config_serves_the_api_on_port_8000():
-    from specdec.tools.args import config_path, openai_base_url
+    pytest.importorskip("ray")
+    from specdec.deployments.deploy import ServeConfig
+    from specdec.tools.args import config_path
 
-    assert openai_base_url(config_path("local.yaml")) == "http://127.0.0.1:8000/v1"
+    assert ServeConfig.load(config_path("local.yaml")).http_base_url == "http://127.0.0.1:8000/v1"
 
 
 def test_models_answers_while_no_draft_replica_has_answered():
