@@ -116,8 +116,10 @@ class ReplicaCounts:
 
     ``get`` answers from the last refresh and starts a new one (in a worker thread: the count
     is a blocking controller call) once that refresh is older than max_age_s; only the very
-    first answer is waited for. A refresh that fails keeps the last counts (a controller that
-    cannot be reached does not stop the replicas from serving).
+    first answer is waited for. ``none_running`` answers the router's calls the same way, never
+    waiting. A refresh that fails keeps the last counts (a controller that cannot be reached
+    does not stop the replicas from serving). A refresh is dated when it starts, so a count
+    dated after an event saw the cluster after it.
 
     Args:
         count: blocking callable returning {side ("draft" / "target"): RUNNING replicas}.
@@ -136,22 +138,37 @@ class ReplicaCounts:
         self._at = -math.inf
         self._pending: asyncio.Future | None = None
 
+    def now(self) -> float:
+        """This object's clock, in seconds."""
+        return self._clock()
+
     async def get(self, wait_s: float) -> Mapping[str, int] | None:
         """The last counts, or None while none has arrived within wait_s seconds; never
         raises."""
-        if self._clock() - self._at > self._max_age_s and (
-            self._pending is None or self._pending.done()
-        ):
-            self._pending = asyncio.ensure_future(self._refresh())
+        self._refresh_if_old()
         if self._counts is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._pending), wait_s)
         return self._counts
 
+    def none_running(self, side: str, since: float) -> bool:
+        """Whether a count that started at or after ``since`` (``now()`` seconds) found no
+        RUNNING replica of ``side``. Never waits: starts a refresh when the last is old, and
+        answers False until a recent enough count says otherwise."""
+        self._refresh_if_old()
+        return self._counts is not None and self._at >= since and self._counts.get(side) == 0
+
+    def _refresh_if_old(self) -> None:
+        if self._clock() - self._at > self._max_age_s and (
+            self._pending is None or self._pending.done()
+        ):
+            self._pending = asyncio.ensure_future(self._refresh())
+
     async def _refresh(self) -> None:
+        started = self._clock()
         try:
             self._counts = await asyncio.to_thread(self._count)
-            self._at = self._clock()
+            self._at = started
         except Exception:  # noqa: BLE001 - keep the last counts, try again at the next probe
             log.warning("counting the running replicas failed", exc_info=True)
 

@@ -65,6 +65,11 @@ log = logging.getLogger("ray.serve")
 _BACKGROUND: set[asyncio.Future] = set()  # calls no request waits for, kept until they end
 
 
+# A target call waiting for an answer checks this often whether any target replica still runs
+# (the check reads ReplicaCounts, refreshed at most once a second for the whole router).
+NO_REPLICA_POLL_S = 0.5
+
+
 def _keep(task: asyncio.Future) -> None:
     """Holds a reference to ``task`` until it ends (asyncio keeps only weak ones)."""
     _BACKGROUND.add(task)
@@ -81,7 +86,14 @@ class HandleTransport:
     tokens. A retry never runs past ``service.unavailable_after_s`` after the call began (config
     guarantees call_timeout_s < unavailable_after_s); then it raises ServiceUnavailable. So when
     no replica exists (Serve queues the call until one does) a request ends within
-    unavailable_after_s.
+    unavailable_after_s. With ``replicas``, a request that no target replica has answered yet
+    is refused sooner: its verify, still waiting once a count taken after the call began finds
+    no target replica RUNNING, ends with ServiceUnavailable (readiness says NOT_SERVING then
+    too), and a release waiting so gives up. A request a replica has answered keeps waiting, up
+    to unavailable_after_s, for a replacement that rebuilds its session (a lone replica that
+    crashed restarts on its node). Without the count, a new request on a cluster whose target
+    pool died waited unavailable_after_s (180 s as shipped on the local cluster) for its
+    UNAVAILABLE and its release call_timeout_s more.
     """
 
     def __init__(
@@ -90,10 +102,13 @@ class HandleTransport:
         target: DeploymentHandle,
         session_id: str,
         service: ServiceConfig,
+        replicas: health.ReplicaCounts | None = None,
     ) -> None:
         self._draft = draft.options(session_id=session_id)
         self._target = target.options(session_id=session_id)
         self._service = service
+        self._replicas = replicas
+        self._target_answered = False
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         """One attempt, never retried: the round loop goes on without the draft when it fails
@@ -105,7 +120,9 @@ class HandleTransport:
         return await asyncio.wait_for(self._draft.propose.remote(request), timeout)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
-        return await self._call(self._target, "verify", request)
+        response = await self._call("verify", request)
+        self._target_answered = True
+        return response
 
     async def release(self, session_id: str, sides: Collection[str] = SIDES) -> None:
         """Drops the session on ``sides``: the target's release is awaited (within
@@ -133,7 +150,8 @@ class HandleTransport:
 
     async def _release(self, handle: DeploymentHandle, request: worker_pb2.ReleaseRequest) -> None:
         try:
-            await asyncio.wait_for(handle.release.remote(request), self._service.call_timeout_s)
+            timeout = self._service.call_timeout_s
+            await self._attempt(handle, "release", request, timeout, self._since())
         except Exception as err:  # noqa: BLE001 - a failed release is logged, never raised
             log.warning(
                 "release of session %s on %s failed: %r",
@@ -142,14 +160,19 @@ class HandleTransport:
                 err,
             )
 
-    async def _call(self, handle: DeploymentHandle, method: str, request):
+    async def _call(self, method: str, request):
+        """A target call, retried as the class says."""
+        handle = self._target
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self._service.unavailable_after_s
         delay = 0.05
         timeout = self._service.call_timeout_s
+        # A request no replica has answered is refused once a count since this call began
+        # finds none running (the class docstring says why only such a request).
+        refuse_since = self._since() if not self._target_answered else None
         while True:
             try:
-                return await asyncio.wait_for(getattr(handle, method).remote(request), timeout)
+                return await self._attempt(handle, method, request, timeout, refuse_since)
             except Exception as err:  # noqa: BLE001 - retryable() decides; others propagate
                 if not retryable(err):
                     raise
@@ -163,6 +186,44 @@ class HandleTransport:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 timeout = min(self._service.call_timeout_s, left)
+
+    def _since(self) -> float | None:
+        """Now, on the replica counts' clock (None without counts)."""
+        return self._replicas.now() if self._replicas is not None else None
+
+    async def _attempt(
+        self,
+        handle: DeploymentHandle,
+        method: str,
+        request,
+        timeout: float,
+        refuse_since: float | None = None,
+    ):
+        """One call, answered within ``timeout`` seconds or asyncio.TimeoutError. With
+        ``refuse_since``, a target call still waiting when a replica count taken at or after
+        that time finds no target replica RUNNING ends with ServiceUnavailable instead
+        (checked every NO_REPLICA_POLL_S)."""
+        response = getattr(handle, method).remote(request)
+        counts = self._replicas if handle is self._target else None
+        if counts is None or refuse_since is None:
+            return await asyncio.wait_for(response, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        call = asyncio.ensure_future(response)
+        try:
+            while not call.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait({call}, timeout=min(NO_REPLICA_POLL_S, left))
+                if not call.done() and counts.none_running("target", refuse_since):
+                    raise ServiceUnavailable(
+                        f"{handle.deployment_name}.{method}: no {handle.deployment_name} "
+                        "replica is running"
+                    )
+            return call.result()
+        finally:
+            call.cancel()  # a no-op once it is done
 
 
 def sampling_params(request: specdec_pb2.GenerateRequest) -> SamplingParams:
@@ -383,7 +444,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             default_proposer=self.config.speculation.proposer,
         )
         transport = HandleTransport(
-            self.draft, self.target, prepared.session_id, self.config.service
+            self.draft, self.target, prepared.session_id, self.config.service, self._replicas
         )
         return RoundLoop(
             transport,

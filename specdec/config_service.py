@@ -31,7 +31,9 @@ class ServiceConfig(Section):
     unavailable_after_s: float = 30.0
     """Seconds after which a request whose calls find no replica fails with UNAVAILABLE: the
     retries of a failed or timed-out call stop there (a retry never outlasts it), and so does
-    the wait for the replicas' model info."""
+    the wait for the replicas' model info. A request no target replica has answered yet fails
+    sooner: once the router counts no RUNNING target replica (readiness is NOT_SERVING then
+    too)."""
 
     draft_timeout_s: float = 10.0
     """Seconds a decode round's propose may take. Past it, or on any error of the draft side,

@@ -1,8 +1,10 @@
 """A real local Ray cluster (head + draft-pool node + target-pool node) serving tiny models.
 
 One cluster and one deployment for the whole integration session: starting Ray costs tens of
-seconds on two cores. The config is the shipped local config with test-sized numbers: a free
-gRPC port, short timeouts, two fixed target replicas (so a replica can be killed mid-request).
+seconds on two cores. The config is the shipped local config with test-sized numbers: free
+ports, the tiny pair, two fixed target replicas (so a replica can be killed mid-request) unless
+a test autoscales. The router's timeouts are the shipped ones (120 s a call, UNAVAILABLE after
+180 s): what the fault tests show is what a user's deploy does.
 """
 
 from __future__ import annotations
@@ -21,13 +23,11 @@ def write_config(
     draft: Path,
     target: Path,
     autoscaling: dict[str, dict] | None = None,
-    shipped_timeouts: bool = False,
     target_env: dict[str, str] | None = None,
     **args: object,
 ) -> tuple[Path, int]:
-    """The shipped local config with the tiny pair, free ports and short timeouts (the shipped
-    ones with ``shipped_timeouts``); ``target_env`` adds environment variables to the
-    TargetModel replicas'.
+    """The shipped local config with the tiny pair and free ports; ``target_env`` adds
+    environment variables to the TargetModel replicas'.
 
     Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
@@ -46,10 +46,6 @@ def write_config(
         dtype="float32",
         cache_capacity_bytes=64 * 1024**2,
     )
-    if not shipped_timeouts:
-        app["args"].update(
-            call_timeout_s=5, unavailable_after_s=8, draft_timeout_s=3, draft_retry_s=0.5
-        )
     app["args"].update(args)
     for deployment in app["deployments"]:
         if deployment["name"] == "TargetModel":
@@ -77,13 +73,13 @@ def _single_threaded(deployment: dict) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_pair):
-    """A factory: ``with tiny_service(tmp, autoscaling=None, shipped_timeouts=False,
-    target_env=None, **args) as (client, info, address):`` the tiny pair served on a fresh
-    local cluster of its own (see write_config, serving)."""
+    """A factory: ``with tiny_service(tmp, autoscaling=None, target_env=None, **args) as
+    (client, info, address):`` the tiny pair served on a fresh local cluster of its own (see
+    write_config, serving)."""
     pytest.importorskip("ray")
 
-    def start(tmp, autoscaling=None, shipped_timeouts=False, target_env=None, **args):
-        config = write_config(tmp, *tiny_pair, autoscaling, shipped_timeouts, target_env, **args)
+    def start(tmp, autoscaling=None, target_env=None, **args):
+        config = write_config(tmp, *tiny_pair, autoscaling, target_env, **args)
         return serving(tmp, *config)
 
     return start

@@ -3,10 +3,10 @@ issue 46 item 4).
 
 One cluster of this module's own runs the shipped local config (tiny models, free ports): its
 timeouts (call 120 s, unavailable 180 s, draft 10 s, draft retry 1 s), its replica counts and
-autoscaling (one replica a side, scaling at 8 requests a replica). The shared cluster cuts the
-timeouts to seconds (conftest), and a request that waits out one of them there passes
-unnoticed: with the shipped ones a fresh request after the draft node died took 120 s at k = 0
-(its end waited for the draft's release) and 240 s with k auto.
+autoscaling (one replica a side, scaling at 8 requests a replica). Every integration cluster
+runs the shipped timeouts now (conftest); when they were cut to seconds, a request that waited
+one out passed unnoticed: a fresh request after the draft node died took 120 s at k = 0 (its
+end waited for the draft's release) and 240 s with k auto.
 
 In order: the draft node dies mid-request (every stream ends exact, with rounds counted
 without the draft), a new request meanwhile never waits for the draft, and speculation resumes
@@ -40,7 +40,7 @@ CASES = [("grpc", "auto"), ("grpc", 0), ("http", "auto"), ("http", 0)]
 def shipped(tiny_service, tmp_path_factory):
     """(client, ClusterInfo): the tiny pair under the shipped config (module docstring)."""
     tmp = tmp_path_factory.mktemp("shipped")
-    with tiny_service(tmp, autoscaling={}, shipped_timeouts=True) as (client, info, _):
+    with tiny_service(tmp, autoscaling={}) as (client, info, _):
         _wait_until(lambda: len(_replicas("DraftModel")) == 1, timeout_s=90)
         yield client, info
 

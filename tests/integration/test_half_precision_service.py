@@ -36,8 +36,8 @@ CASES = [(prompt, k) for prompt, k in zip(PROMPTS[:6], [3, None, 3, None, 1, 3])
 def half_service(tmp_path_factory, tiny_service, tiny_pair):
     tmp = tmp_path_factory.mktemp("bf16")
     env = service_env(tiny_pair[1], tmp / "calibrations")
-    # The shipped timeouts: a killed replica's calls fail at once and are retried.
-    with tiny_service(tmp, shipped_timeouts=True, dtype=DTYPE, target_env=env) as (client, _, _):
+    # At the shipped timeouts: a killed replica's calls fail at once and are retried.
+    with tiny_service(tmp, dtype=DTYPE, target_env=env) as (client, _, _):
         yield client
 
 

@@ -3,8 +3,9 @@ error is) and a hung forward on one replica make its health check fail, Serve re
 the requests on the other replica finish with the target-only output (specdec.worker.faults
 injects the faults; specdec.worker.compute_health decides).
 
-A cluster of its own, with the health settings short: Serve checks every second, a batch is
-stuck after 3 s, and 2 failed batches in a row mark a replica broken."""
+A cluster of its own at the shipped timeouts, with the health settings short: Serve checks
+every second, a batch is stuck after 3 s, and 2 failed batches in a row mark a replica
+broken."""
 
 from __future__ import annotations
 
@@ -45,16 +46,14 @@ def service(tmp_path_factory, tiny_pair):
     tmp = tmp_path_factory.mktemp("replica-health")
     faults = tmp / "faults"
     faults.mkdir()
-    # A call on a hung replica times out after call_timeout_s and is retried; unavailable_after_s
-    # leaves the retries time to find the replica replaced.
+    # The shipped timeouts (120 s a call): a call on a hung replica is not retried for its
+    # timeout but once Serve stops the replica, which its failed health checks make it do.
     path, port = write_config(
         tmp,
         *tiny_pair,
         stuck_forward_s=STUCK_FORWARD_S,
         max_forward_failures=MAX_FORWARD_FAILURES,
         target_env={FAULT_DIR_ENV: str(faults)},
-        call_timeout_s=8,
-        unavailable_after_s=60,
     )
     config = yaml.safe_load(path.read_text())
     (app,) = config["applications"]
@@ -247,8 +246,9 @@ def test_a_hung_forward_takes_the_replica_out_and_every_request_finishes(service
         handle.verify.remote(_prefill(f"{key}-hung", [5, 6, 7]))  # hangs with the streams'
 
     failed, left_s, replaced_s = _break_one(service, reference, "hang", drive)
-    # The streams on the hung replica waited call_timeout_s, were retried on a live replica
-    # once the victim refused calls or was out of rotation, and rebuilt there: none failed.
+    # The streams on the hung replica waited until Serve stopped it (their calls then failed
+    # as a dead replica's do), well within call_timeout_s (120 s), were retried on the live
+    # replica and rebuilt there: none failed.
     assert failed == 0
     assert left_s > STUCK_FORWARD_S  # the watchdog waited its bound
     print(

@@ -110,36 +110,117 @@ def test_retryable_covers_what_a_dying_or_draining_replica_raises():
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Retry after" in details
 
 
-def test_a_call_to_a_missing_replica_ends_within_unavailable_after(monkeypatch):
-    """A handle call that never answers (Serve queues it while no replica exists) is retried
-    and the request gives up by unavailable_after_s, not call_timeout_s after it."""
-    pytest.importorskip("ray")
-    from specdec.deployments import failures, router
+class _NeverAnswers:
+    """A Serve handle whose calls never answer (Serve queues a call while no replica exists);
+    ``calls`` holds the loop time of each call."""
 
-    class Never:
-        deployment_name = "TargetModel"
+    deployment_name = "TargetModel"
 
-        def options(self, **_):
-            return self
+    def __init__(self) -> None:
+        self.calls: list[float] = []
 
-        def __getattr__(self, name):
-            calls.append(asyncio.get_running_loop().time())
-            return type("M", (), {"remote": staticmethod(lambda _: asyncio.sleep(3600))})
+    def options(self, **_):
+        return self
 
-    calls: list[float] = []
-    service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=0.5)
-    transport = router.HandleTransport(Never(), Never(), "s", service)
+    def __getattr__(self, name):
+        self.calls.append(asyncio.get_running_loop().time())
+        return type("M", (), {"remote": staticmethod(lambda _: asyncio.sleep(3600))})
+
+
+def _timed_verify(transport) -> tuple[float, str]:
+    """(seconds, message) of a verify that must end with ServiceUnavailable within 10 s."""
+    from specdec.deployments.failures import ServiceUnavailable
 
     async def run():
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(failures.ServiceUnavailable):
-            await transport.verify(worker_pb2.VerifyRequest())
-        return loop.time() - start
+        with pytest.raises(ServiceUnavailable) as err:
+            await asyncio.wait_for(transport.verify(worker_pb2.VerifyRequest()), timeout=10)
+        return loop.time() - start, str(err.value)
 
-    elapsed = asyncio.run(run())
-    assert len(calls) >= 2  # the timed-out call was retried
+    return asyncio.run(run())
+
+
+def test_a_call_to_a_missing_replica_ends_within_unavailable_after():
+    """A handle call that never answers (Serve queues it while no replica exists) is retried
+    and the request gives up by unavailable_after_s, not call_timeout_s after it."""
+    pytest.importorskip("ray")
+    from specdec.deployments import router
+
+    target = _NeverAnswers()
+    service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=0.5)
+    transport = router.HandleTransport(_NeverAnswers(), target, "s", service)
+    elapsed, message = _timed_verify(transport)
+    assert len(target.calls) >= 2  # the timed-out call was retried
     assert elapsed < service.unavailable_after_s + service.call_timeout_s / 2
+    assert "no replica answered within 0.5 s" in message
+
+
+def test_a_new_request_is_refused_at_once_when_a_later_count_finds_no_target_replica():
+    """At the shipped timeouts (120 s a call, 180 s in all), the first verify of a request and
+    a release, waiting for a target replica, end within a second or two once a replica count
+    taken after they began finds none RUNNING: the verify with ServiceUnavailable naming the
+    deployment."""
+    pytest.importorskip("ray")
+    from specdec.deployments import health, router
+
+    replicas = health.ReplicaCounts(lambda: {"draft": 1, "target": 0}, max_age_s=0.0)
+    service = ServiceConfig(call_timeout_s=120, unavailable_after_s=180)
+    transport = router.HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
+    elapsed, message = _timed_verify(transport)
+    assert elapsed < 3 and "no TargetModel replica is running" in message, (elapsed, message)
+
+    async def release():
+        await asyncio.wait_for(transport.release("s", ("target",)), timeout=3)
+
+    asyncio.run(release())  # the release gave up too, within the 3 s
+
+
+class _AnswersOnce(_NeverAnswers):
+    """A handle whose first call answers (an empty message) and whose later ones never do."""
+
+    def __getattr__(self, name):
+        self.calls.append(asyncio.get_running_loop().time())
+        if len(self.calls) > 1:
+            return super().__getattr__(name)
+
+        async def answer(_):
+            return worker_pb2.VerifyResponse()
+
+        return type("M", (), {"remote": staticmethod(answer)})
+
+
+def test_a_request_a_replica_answered_waits_for_a_replacement():
+    """Once a target replica has answered a request, its later calls are not refused when no
+    replica is running (one may restart and rebuild the session): they wait for their
+    timeouts, here unavailable_after_s 1.5 s."""
+    pytest.importorskip("ray")
+    from specdec.deployments import health, router
+
+    replicas = health.ReplicaCounts(lambda: {"draft": 1, "target": 0}, max_age_s=0.0)
+    service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=1.5)
+    target = _AnswersOnce()
+    transport = router.HandleTransport(_NeverAnswers(), target, "s", service, replicas)
+    asyncio.run(transport.verify(worker_pb2.VerifyRequest()))  # answered
+    elapsed, message = _timed_verify(transport)
+    assert "no replica answered within 1.5 s" in message and elapsed >= 1.0, (elapsed, message)
+    assert len(target.calls) >= 3  # the answered call, then the waiting one and its retries
+
+
+def test_a_count_from_before_the_call_never_ends_it():
+    """A count of no target replica taken before the call began (a replica may have started
+    since) does not end it: the call waits for its own timeouts."""
+    pytest.importorskip("ray")
+    from specdec.deployments import health, router
+
+    counts = {"draft": 1, "target": 0}
+    replicas = health.ReplicaCounts(lambda: dict(counts), max_age_s=3600)
+    asyncio.run(replicas.get(wait_s=5))  # counted once: no target replica
+    counts["target"] = 1  # never counted again within max_age_s
+    service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=1.5)
+    transport = router.HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
+    elapsed, message = _timed_verify(transport)
+    assert "no replica answered within 1.5 s" in message and elapsed >= 1.0, (elapsed, message)
 
 
 # --- item 3: request sizes ------------------------------------------------------------------

@@ -1,31 +1,48 @@
-"""Limits on a real local cluster, through the real gRPC endpoint: a huge prompt is refused
-without stalling the other streams, malformed messages answer INVALID_ARGUMENT, and past the
-router's queue the proxy answers RESOURCE_EXHAUSTED at once.
+"""Admission on a real local cluster, through the real endpoints: who may call (API keys) and
+how much (limits).
 
-One cluster of its own: the shipped local config with the tiny pair (conftest.write_config),
-and a router that runs at most ROUTER_ONGOING requests with QUEUED more waiting, so that its
-queue fills with a handful of streams.
+Keys: with two configured (one from service.api_keys_file, one from the environment variable
+service.api_keys_env names), both APIs answer only requests that carry one of them, 401 /
+UNAUTHENTICATED otherwise, and health, readiness and metrics stay open. Limits: a huge prompt is
+refused without stalling the other streams, malformed messages answer INVALID_ARGUMENT, past the
+router's queue the proxy answers RESOURCE_EXHAUSTED at once, and HTTP requests take the target's
+generation_config.
+
+One cluster for the module (starting one costs most of a minute on two cores): the shipped
+local config with the tiny pair (conftest.write_config), the two keys, a router that runs at
+most ROUTER_ONGOING requests with QUEUED more waiting (so that its queue fills with a handful of
+streams), and a target whose generation_config sets GENERATION.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import yaml
 from conftest import write_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import serving
+from test_serving import _scrape_metrics, _wait_until
 
-from specdec.client import build_request
+from specdec.client import SpecdecClient, build_request
 from specdec.models.tiny import PROMPTS
 from specdec.v1 import specdec_pb2
 
 pytestmark = pytest.mark.integration
+FILE_KEY = "file-key-0123456789"
+ENV_KEY = "env-key-9876543210"
+ENV_NAME = "SPECDEC_TEST_API_KEYS"  # not the default name: no other cluster of the session reads it
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 ROUTER_ONGOING = 3
 QUEUED = 1
 HUGE_PROMPT_BYTES = 5_000_000
@@ -37,24 +54,47 @@ DEFAULT_MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, tiny_pair):
-    """(gRPC client, OpenAI base URL): the tiny pair, its target a copy whose
-    generation_config sets GENERATION, and HTTP requests' token limit DEFAULT_MAX_TOKENS."""
+    """(gRPC address, OpenAI base URL) of the module's cluster: FILE_KEY in the keys file and
+    ENV_KEY in the cluster processes' environment (the router's workers inherit it), the
+    router's queue bounds, the target a copy whose generation_config sets GENERATION, and
+    HTTP requests' token limit DEFAULT_MAX_TOKENS."""
     pytest.importorskip("ray")
-    tmp = tmp_path_factory.mktemp("limits")
+    tmp = tmp_path_factory.mktemp("admission")
+    keys = tmp / "api-keys"
+    keys.write_text(f"# the key of the test\n\n{FILE_KEY}\n")
     target = _with_generation_config(tiny_pair[1], tmp / "target")
-    path, port = write_config(tmp, tiny_pair[0], target, default_max_tokens=DEFAULT_MAX_TOKENS)
+    path, port = write_config(
+        tmp,
+        tiny_pair[0],
+        target,
+        default_max_tokens=DEFAULT_MAX_TOKENS,
+        api_keys_file=str(keys),
+        api_keys_env=ENV_NAME,
+    )
     config = yaml.safe_load(path.read_text())
     for deployment in config["applications"][0]["deployments"]:
         if deployment["name"] == "SpeculativeRouter":
             deployment.update(max_ongoing_requests=ROUTER_ONGOING, max_queued_requests=QUEUED)
     path.write_text(yaml.safe_dump(config))
-    with serving(tmp, path, port) as (client, _, _):
-        yield client, f"http://127.0.0.1:{config['http_options']['port']}/v1"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV_NAME, f"{ENV_KEY},")
+        cluster = serving(tmp, path, port)
+        _, _, address = cluster.__enter__()
+    try:
+        yield address, f"http://127.0.0.1:{config['http_options']['port']}/v1"
+    finally:
+        cluster.__exit__(None, None, None)
+
+
+def _client(address, api_key=None):
+    return SpecdecClient(address, timeout_s=120, api_key=api_key)
 
 
 @pytest.fixture(scope="module")
 def client(service):
-    return service[0]
+    """A gRPC client that carries FILE_KEY."""
+    with _client(service[0], FILE_KEY) as keyed:
+        yield keyed
 
 
 def _with_generation_config(source: Path, copy: Path) -> Path:
@@ -215,16 +255,14 @@ def test_past_the_proxy_message_bound_grpc_answers_resource_exhausted(client):
     assert client.generate(build_request(PROMPTS[0], max_new_tokens=4)).token_ids
 
 
-def test_http_requests_take_the_targets_generation_config_and_default_max_tokens(service):
+def test_http_requests_take_the_targets_generation_config_and_default_max_tokens(service, client):
     """An HTTP request that sets no temperature, top_k, top_p or max_tokens samples with the
     target's generation_config values (temperature 0.5, top_k 4), top_p 1 (OpenAI's) and
     stops at default_max_tokens: token for token what gRPC gives with those values and seed.
     The same seeds at OpenAI's plain defaults (temperature 1, no top-k) give other text, so
     the comparison can tell the two apart."""
-    import openai
-
-    client, base_url = service
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as oai:
+    _, base_url = service
+    with openai.OpenAI(base_url=base_url, api_key=FILE_KEY, max_retries=0) as oai:
         model = oai.models.list().data[0].id
 
         def http(seed):
@@ -250,3 +288,111 @@ def test_http_requests_take_the_targets_generation_config_and_default_max_tokens
         assert answer.choices[0].text == grpc_text(seed, top_p=1.0, **GENERATION)
     plain = {seed: grpc_text(seed, temperature=1.0, top_p=1.0) for seed in answers}
     assert plain != {seed: answer.choices[0].text for seed, answer in answers.items()}
+
+
+def _refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == UNAUTHENTICATED, err.value
+    return err.value
+
+
+def test_grpc_without_or_with_a_wrong_key_is_unauthenticated(service):
+    address, _ = service
+    request = build_request(PROMPTS[0], max_new_tokens=8)
+    for key in (None, "wrong-key", FILE_KEY[:-1], f"{FILE_KEY}x"):
+        with _client(address, key) as client:
+            err = _refused(lambda c=client: c.generate(request))
+            assert ("no API key" if key is None else "invalid API key") in err.details()
+            assert FILE_KEY not in err.details()
+            _refused(lambda c=client: list(c.generate_stream(request)))
+            _refused(client.model_info)
+    # A scheme other than Bearer is no key either.
+    with _client(address) as client:
+        metadata = (*client.metadata, ("authorization", f"Basic {FILE_KEY}"))
+        _refused(lambda: client.stub.Generate(request, metadata=metadata, timeout=60))
+
+
+def test_grpc_with_either_key_answers_and_health_stays_open(service):
+    address, _ = service
+    request = build_request(PROMPTS[1], max_new_tokens=16, temperature=0.0)
+    with _client(address, FILE_KEY) as by_file, _client(address, ENV_KEY) as by_env:
+        unary = by_file.generate(request)
+        streamed = list(by_env.generate_stream(request))
+        assert by_env.model_info().target_model
+    assert len(unary.token_ids) > 0
+    assert [t for m in streamed for t in m.token_ids] == list(unary.token_ids)
+    with _client(address) as anonymous:  # grpc.health.v1 needs no key
+        health = health_pb2_grpc.HealthStub(anonymous.channel)
+        check = health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def _http(url, body=None, headers=()):
+    """(status, headers, parsed JSON body) of a GET (``body`` None) or POST."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=dict(headers))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        return err.code, err.headers, json.loads(raw) if raw.startswith(b"{") else raw
+
+
+def test_http_needs_a_bearer_key_health_and_readiness_do_not(service):
+    address, base_url = service
+    body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    for headers in ((), (("Authorization", "Bearer wrong"),), (("Authorization", FILE_KEY),)):
+        for path, payload in (("/completions", body), ("/models", None)):
+            status, answered, error = _http(base_url + path, payload, headers)
+            assert status == 401, (path, headers, error)
+            assert answered["WWW-Authenticate"] == "Bearer"
+            assert error["error"]["code"] == "invalid_api_key"
+            assert error["error"]["type"] == "invalid_request_error"
+    wrong = openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0, timeout=60)
+    with wrong, pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with openai.OpenAI(base_url=base_url, api_key=ENV_KEY, max_retries=0, timeout=120) as oai:
+        model = oai.models.list().data[0].id
+        answer = oai.completions.create(model=model, **body)
+    with _client(address, FILE_KEY) as client:
+        grpc_answer = client.generate(build_request(PROMPTS[1], max_new_tokens=16, temperature=0))
+    assert answer.choices[0].text == grpc_answer.text
+    status, _, _ = _http(
+        base_url + "/completions", body, (("Authorization", f"Bearer {FILE_KEY}"),)
+    )
+    assert status == 200
+    root = base_url.removesuffix("/v1")
+    assert _http(root + "/health")[0] == 200
+    status, _, ready = _http(root + "/ready")
+    assert status == 200 and ready["ready"] is True, ready
+    for docs in ("/docs", "/openapi.json", "/redoc"):  # no route answers without a key
+        assert _http(root + docs)[0] == 404, docs
+
+
+def test_refusals_are_counted_and_metrics_stay_open(service):
+    """The refused calls above show in ray_specdec_requests_total under UNAUTHENTICATED (Ray's
+    metrics port needs no key); the service still serves afterwards."""
+
+    def refused_counted():
+        text = _scrape_metrics()
+        return all(
+            any(
+                line.startswith("ray_specdec_requests_total{")
+                and f'method="{method}"' in line
+                and 'code="UNAUTHENTICATED"' in line
+                for line in text.splitlines()
+            )
+            for method in ("Generate", "GenerateStream", "GetModelInfo", "/v1/completions")
+        )
+
+    _wait_until(refused_counted, timeout_s=60)
+    address, _ = service
+    with _client(address, FILE_KEY) as client:
+        assert client.generate(build_request(PROMPTS[2], max_new_tokens=4)).token_ids
