@@ -59,6 +59,9 @@ def test_float32_k0_equals_generate_and_the_static_runner(real_pair_args):
         gemm="plain",
         draft_gemm="plain",
         exact_widths=False,
+        # Only k = 0 runs here: the calibration then prices forwards of 1-3 positions, not 13
+        # (a float32 forward of the target costs about a second here: 30 s of start-up).
+        max_speculative_tokens=2,
         **_cache(real_pair_args),
     )
     expected = [dynamic.generate(p, GREEDY, 0) for p in PROMPTS]
@@ -76,7 +79,7 @@ def test_float32_k0_equals_generate_and_the_static_runner(real_pair_args):
     # One session of 64 positions at most: the runner checks fewer shapes at start-up (11 s
     # against 52 s with STATIC's on a 2-core EPYC), and one prompt through it (a float32 step
     # of its masked attention costs about 1 s here).
-    lone = {**STATIC, "max_model_len": 64, "max_batch_size": 1}
+    lone = {**STATIC, "max_model_len": 64, "max_batch_size": 1, "max_speculative_tokens": 2}
     static = SpeculativeEngine(dynamic.draft, dynamic.target, calibrations=calibrations, **lone)
     assert static.generate(PROMPTS[0], GREEDY, 0).token_ids == expected[0].token_ids
     del dynamic, static, sides
