@@ -80,8 +80,8 @@ AUTOSCALING = {
 }
 
 
-# Short router timeouts: a lost replica or node is noticed in
-# seconds, so a soak of minutes sees the recovery, not the wait.
+# Short router timeouts: a lost replica or node is noticed in seconds, so a soak of minutes sees
+# the recovery, not the wait.
 SHORT_TIMEOUTS = dict(call_timeout_s=5, unavailable_after_s=8, draft_timeout_s=3, draft_retry_s=0.5)
 
 
