@@ -24,12 +24,14 @@ def write_config(
     target: Path,
     autoscaling: dict[str, dict] | None = None,
     target_env: dict[str, str] | None = None,
+    target_replicas: int = 2,
     **args: object,
 ) -> tuple[Path, int]:
     """The shipped local config with the tiny pair and free ports; ``target_env`` adds
     environment variables to the TargetModel replicas'.
 
-    Without ``autoscaling``: fixed replicas (two targets). With it: {deployment name: fields}
+    Without ``autoscaling``: fixed replicas (``target_replicas`` targets: two, so that a test
+    can kill one; a module that kills none starts one less). With it: {deployment name: fields}
     replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
     and the model replicas run one OpenMP thread (_single_threaded).
     ``args`` replace the application's settings (e.g. dtype="bfloat16").
@@ -52,7 +54,9 @@ def write_config(
             deployment["ray_actor_options"]["runtime_env"]["env_vars"].update(target_env or {})
         if autoscaling is None:
             deployment.pop("autoscaling_config")
-            deployment["num_replicas"] = 2 if deployment["name"] == "TargetModel" else 1
+            deployment["num_replicas"] = (
+                target_replicas if deployment["name"] == "TargetModel" else 1
+            )
         else:
             deployment["autoscaling_config"].update(autoscaling.get(deployment["name"], {}))
             _single_threaded(deployment)
@@ -73,13 +77,13 @@ def _single_threaded(deployment: dict) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_service(tiny_pair):
-    """A factory: ``with tiny_service(tmp, autoscaling=None, target_env=None, **args) as
-    (client, info, address):`` the tiny pair served on a fresh local cluster of its own (see
-    write_config, serving)."""
+    """A factory: ``with tiny_service(tmp, autoscaling=None, target_env=None,
+    target_replicas=2, **args) as (client, info, address):`` the tiny pair served on a fresh
+    local cluster of its own (see write_config, serving)."""
     pytest.importorskip("ray")
 
-    def start(tmp, autoscaling=None, target_env=None, **args):
-        config = write_config(tmp, *tiny_pair, autoscaling, target_env, **args)
+    def start(tmp, autoscaling=None, target_env=None, target_replicas=2, **args):
+        config = write_config(tmp, *tiny_pair, autoscaling, target_env, target_replicas, **args)
         return serving(tmp, *config)
 
     return start

@@ -67,6 +67,7 @@ def service(tmp_path_factory, tiny_pair):
         tmp,
         tiny_pair[0],
         target,
+        target_replicas=1,
         default_max_tokens=DEFAULT_MAX_TOKENS,
         api_keys_file=str(keys),
         api_keys_env=ENV_NAME,

@@ -21,7 +21,8 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module")
 def static_service(tmp_path_factory, tiny_service):
     settings = {"runner": "static", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN}
-    with tiny_service(tmp_path_factory.mktemp("static"), **settings) as (client, _, _):
+    tmp = tmp_path_factory.mktemp("static")
+    with tiny_service(tmp, target_replicas=1, **settings) as (client, _, _):
         yield client
 
 
