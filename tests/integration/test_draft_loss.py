@@ -11,7 +11,10 @@ end waited for the draft's release) and 240 s with k auto.
 In order: the draft node dies mid-request (every stream ends exact, with rounds counted
 without the draft), a new request meanwhile never waits for the draft, and speculation resumes
 once the node is back; then the draft node dies again and fresh requests answer within their
-undisturbed latency plus SLACK_S, over gRPC and HTTP, with the same tokens.
+undisturbed latency plus SLACK_S, over gRPC and HTTP, with the same tokens. Last, on the same
+shipped config, the lone target replica crashes mid-request: Serve restarts it on its node and
+the streams a replica had answered wait for it and finish exact (the router refuses only
+requests no replica has answered, deployments/router.py HandleTransport).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import openai
 import pytest
 from test_openai_api import http_base_url
-from test_serving import _replicas, _scrape_metrics, _wait_until
+from test_serving import _cache_stats_per_replica, _replicas, _scrape_metrics, _wait_until
 
 from specdec.client import build_request
 from specdec.cluster.faults import kill_node, restart_node
@@ -153,3 +156,29 @@ def test_fresh_requests_after_the_draft_node_dies_answer_in_their_usual_time(shi
             assert output == before[case][1], case
             assert seconds <= before[case][0] + SLACK_S, (case, seconds, before[case][0])
         assert oai.models.list().data[0].id == model
+
+
+def test_the_lone_target_replica_crashing_mid_request_costs_time_only(shipped, reference):
+    """The shipped config runs one target replica. Killed while three greedy streams run on it
+    (the process dies, its node stays), it is restarted by Serve; each stream's calls wait for
+    the new replica, which rebuilds the sessions, and every stream ends with the target-only
+    tokens (k = 0: the draft node may be down from the test before)."""
+    import ray
+
+    client, _ = shipped
+    (victim,) = _replicas("TargetModel")
+    streams = [
+        client.generate_stream(
+            build_request(p, max_new_tokens=STREAM_TOKENS, num_speculative_tokens=0)
+        )
+        for p in PROMPTS[:3]
+    ]
+    firsts = [list(next(s).token_ids) for s in streams]
+    ray.kill(ray.get_actor(victim.actor_name, namespace="serve"), no_restart=True)
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        rests = list(pool.map(_drain, streams))
+    for prompt, first, rest in zip(PROMPTS[:3], firsts, rests):
+        assert first + rest == reference(prompt, STREAM_TOKENS)
+    ((replacement, (_, stats)),) = _cache_stats_per_replica("TargetModel").items()
+    assert replacement != victim.replica_id
+    assert stats.rebuilds >= 1  # the streams were in flight through the crash
