@@ -20,6 +20,11 @@ from specdec.models.tiny import save_pair
 # read. Ray workers inherit the variable from the cluster processes the tests start.
 CALIBRATIONS = tempfile.mkdtemp(prefix="specdec-test-calibrations-")
 os.environ[CACHE_ENV] = CALIBRATIONS
+# Every test connects to the cluster it started, by address. Serve's driver-side handle router
+# outlives a stopped cluster, and its next metrics push, through Ray's automatic ray.init(),
+# started a stray local Ray instance in this process: the next module's deploy then found the
+# process connected to it, and every later cluster test errored (stop 56, 143 errors).
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 
 def pytest_unconfigure(config):
