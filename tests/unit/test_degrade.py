@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 
 from specdec import SamplingParams
+from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
@@ -106,6 +107,20 @@ class _FlakyDraft:
         await self.inner.release(session_id, sides)
 
 
+class _FixedCosts(CostModel):
+    """Costs at which drafting always pays (a flat verify, a nearly free draft step), whatever
+    the rounds measure: under ``auto`` the draft model is then asked every round it is up.
+    The session's engine prices at what every earlier test measured, so there whether ``auto``
+    drafts at all, and how often, depends on the tests run before."""
+
+    def __init__(self, config) -> None:
+        k_max = config.max_speculative_tokens
+        super().__init__(config, CostPrior(verify_s=[0.01] * (k_max + 1), draft_step_s=1e-4))
+
+    def observe(self, k, timing) -> None:
+        pass
+
+
 def _run(engine, transport, prompt, k, breaker, config=None, **loop_args):
     request = prepare_request(
         encode_prompt(engine.tokenizer, prompt),
@@ -114,9 +129,8 @@ def _run(engine, transport, prompt, k, breaker, config=None, **loop_args):
         k,
     )
     config = config or engine.config.speculation
-    loop = RoundLoop(
-        transport, engine.tokenizer, request, engine.costs, config, breaker, **loop_args
-    )
+    costs = _FixedCosts(engine.config.speculation) if k == "auto" else engine.costs
+    loop = RoundLoop(transport, engine.tokenizer, request, costs, config, breaker, **loop_args)
     # A liveness bound, not a timing: a round that waited on a call that never answers would
     # hang the test.
     return asyncio.run(asyncio.wait_for(loop.complete(), 120))
@@ -167,9 +181,9 @@ def test_without_the_draft_rounds_run_on_ngram_lookup(engine, failing):
     down, a round whose draft call fails included, with the target alone's output.
 
     At a fixed k the stand-in proposes every match whole, so what lookup accepts depends on the
-    text alone. Under ``auto`` each proposal is priced at measured costs and at an acceptance
-    prior pooled over the session's earlier requests, so there only the fallback to lookup (not
-    to k = 0) is asserted."""
+    text alone. Under ``auto`` each proposal is priced (_FixedCosts: the draft is asked until
+    it fails) at this request's acceptance, so there only the fallback to lookup (not to
+    k = 0) is asserted."""
     prompt = "one two three four five six one two three four five six one two"
     alone = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS), 0)
     for k in (K, "auto"):
