@@ -15,6 +15,8 @@ from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.device.calibration.load import load_calibrated
 from specdec.device.calibration_cache import CalibrationCache
+from specdec.device.cost_prior import cost_table
+from specdec.device.simulated import ForwardHold, SimulatedCosts
 from specdec.errors import ComputeUnhealthy
 from specdec.v1 import worker_pb2
 from specdec.worker.compute_health import ComputeWatchdog, forward_error
@@ -76,6 +78,8 @@ class ModelReplica:
         self._dtype = str(self.calibration.candidate)
         self.side = self._executor.submit(side_cls, loaded, config, self.calibration).result()
         self._info = replica_info(self.side, config)
+        if config.models.simulated_costs:
+            self._simulate(side, config)
         self._metrics = ReplicaMetrics()
         self._watchdog = ComputeWatchdog(
             config.models.stuck_forward_s, config.models.max_forward_failures
@@ -90,6 +94,16 @@ class ModelReplica:
             device,
             config.models.cache_capacity_bytes,
         )
+
+    def _simulate(self, side: str, config: SpecdecConfig) -> None:
+        """Holds every forward to models.simulated_costs' table and reports its costs, labelled,
+        instead of the calibration's (specdec.device.simulated)."""
+        table = SimulatedCosts.load(config.models.simulated_costs)
+        costs = table.sides[side]
+        self._hold = ForwardHold(self.side.loaded.model, costs)
+        self._info.costs.CopyFrom(cost_table(costs.calibration(self.calibration), config))
+        self._info.simulated_costs = table.label
+        log.warning("simulated device costs: every forward is held to %r", table.label)
 
     def _size_batches(self, batched, config: SpecdecConfig) -> None:
         """Makes ``batched`` (this deployment's serve.batch method) the one _compute_batch

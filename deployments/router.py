@@ -376,6 +376,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             target_dtype=target.dtype,
             max_speculative_tokens=self.config.speculation.max_speculative_tokens,
             target_calibration=target.calibration,
+            simulated_costs=target.simulated_costs,
         )
         if draft is not None:  # else: no draft replica has answered yet (draft fields unset)
             info.draft_model = draft.name

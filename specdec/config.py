@@ -181,6 +181,14 @@ class ModelConfig(Section):
     (specdec.worker.compute_health). A batch without a forward error resets the count; a
     failing row fails only its own call."""
 
+    simulated_costs: str | None = None
+    """A JSON cost table (specdec.device.simulated) that draft and target replicas hold each
+    forward to, while their real models still compute the tokens: measures the service's
+    orchestration, batching and overlap at GPU timescales on a machine without a GPU. The
+    replicas report the table's costs to the router and label every figure `simulated`
+    (ModelInfo.simulated_costs). `benchmarks/costs/` holds tables. CPU devices only; null:
+    real costs."""
+
     def revision_for(self, side: str) -> str | None:
         """The Hub revision of the "draft" or "target" side's model (None: main)."""
         return self.draft_revision if side == "draft" else self.target_revision
@@ -240,6 +248,12 @@ class ModelConfig(Section):
             # the GEMM setting the side's GEMM comes from (a null one is valid with any dtype)
             named = gemm_name if getattr(self, gemm_name) is not None else "gemm"
             _check_pair(named, self.for_side(side)[1], self.gemm_for(side))
+        require(
+            "simulated_costs",
+            self.simulated_costs is None
+            or (self.simulated_costs != "" and not self.device.startswith("cuda")),
+            "must name a cost table file, on a CPU device (it stands in for a GPU)",
+        )
         at_least("cache_capacity_bytes", self.cache_capacity_bytes, 1)
         at_least("cache_idle_s", self.cache_idle_s, 0)
         at_least("max_batch_size", self.max_batch_size, 1)

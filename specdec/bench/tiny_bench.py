@@ -5,8 +5,9 @@
 
 Greedy, the tiny prompts, 128 new tokens, k = 0 (target only), fixed k and "auto". Through the
 service it also reports the orchestration overhead per decode round (round time minus draft and
-verify compute, from the response stats) and its share of the round. Numbers on random tiny models
-measure the machinery, not the value of speculation on real models.
+verify compute, from the response stats) and its share of the round, and says first when the
+replicas hold their forwards to a simulated device's costs (models.simulated_costs). Numbers on
+random tiny models measure the machinery, not the value of speculation on real models.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def _through_service(address: str, max_new_tokens: int):
     from specdec.client import API_KEY_ENV, SpecdecClient, build_request
 
     client = SpecdecClient(address, api_key=os.environ.get(API_KEY_ENV))
+    simulated = client.model_info().simulated_costs
+    if simulated:  # every figure below is then at the table's pace, not this machine's
+        print(f"SIMULATED device costs (models.simulated_costs): {simulated}", flush=True)
 
     def run(prompt, k):
         request = build_request(

@@ -119,7 +119,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens", "draft_dtype", "target_dtype", "draft_calibration", "target_calibration")
+    __slots__ = ("draft_model", "target_model", "vocab_size", "draft_context_limit", "target_context_limit", "context_limit", "draft_pool", "target_pool", "max_speculative_tokens", "draft_dtype", "target_dtype", "draft_calibration", "target_calibration", "simulated_costs")
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class ModelInfo(_message.Message):
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     TARGET_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    SIMULATED_COSTS_FIELD_NUMBER: _ClassVar[int]
     draft_model: str
     target_model: str
     vocab_size: int
@@ -146,7 +147,8 @@ class ModelInfo(_message.Message):
     target_dtype: str
     draft_calibration: DeviceCalibration
     target_calibration: DeviceCalibration
-    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ..., target_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ...) -> None: ...
+    simulated_costs: str
+    def __init__(self, draft_model: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_context_limit: _Optional[int] = ..., target_context_limit: _Optional[int] = ..., context_limit: _Optional[int] = ..., draft_pool: _Optional[str] = ..., target_pool: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., draft_dtype: _Optional[str] = ..., target_dtype: _Optional[str] = ..., draft_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ..., target_calibration: _Optional[_Union[DeviceCalibration, _Mapping]] = ..., simulated_costs: _Optional[str] = ...) -> None: ...
 
 class DeviceCalibration(_message.Message):
     __slots__ = ("device", "dtype", "automatic", "candidates", "exact_widths", "seconds", "reused")

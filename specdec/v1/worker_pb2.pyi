@@ -144,7 +144,7 @@ class CostTable(_message.Message):
     def __init__(self, forward_s: _Optional[_Iterable[float]] = ..., rows_s: _Optional[_Iterable[float]] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("name", "dtype", "vocab_size", "context_limit", "eos_token_ids", "calibration", "costs")
+    __slots__ = ("name", "dtype", "vocab_size", "context_limit", "eos_token_ids", "calibration", "costs", "simulated_costs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ReplicaInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
+    SIMULATED_COSTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     vocab_size: int
@@ -159,4 +160,5 @@ class ReplicaInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     calibration: _specdec_pb2.DeviceCalibration
     costs: CostTable
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_limit: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., calibration: _Optional[_Union[_specdec_pb2.DeviceCalibration, _Mapping]] = ..., costs: _Optional[_Union[CostTable, _Mapping]] = ...) -> None: ...
+    simulated_costs: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_limit: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., calibration: _Optional[_Union[_specdec_pb2.DeviceCalibration, _Mapping]] = ..., costs: _Optional[_Union[CostTable, _Mapping]] = ..., simulated_costs: _Optional[str] = ...) -> None: ...
