@@ -175,8 +175,16 @@ def test_a_draft_that_cannot_be_called_falls_back_to_ngram_lookup(proposer):
 
 
 def test_draft_uses_the_draft_model_whenever_it_answers():
-    choice = _choice("draft", REPEATING, draft_rate=0.2, ngram_rate=1.0)
-    assert choice.choose(100, 0, True, True).source in (DRAFT, NONE)
+    """Lookup would win here (auto takes it), yet ``draft`` drafts with the model where
+    drafting pays, and proposes nothing, never lookup, where it does not."""
+    assert (
+        _choice("auto", REPEATING, draft_rate=0.8, ngram_rate=1.0).choose(100, 0, True, True).source
+        == NGRAM
+    )
+    paying = _choice("draft", REPEATING, draft_rate=0.8, ngram_rate=1.0).choose(100, 0, True, True)
+    assert paying.source == DRAFT and paying.plan.k >= 1
+    unpaying = _choice("draft", REPEATING, draft_rate=0.2, ngram_rate=1.0)
+    assert unpaying.choose(100, 0, True, True).source == NONE
 
 
 def test_auto_takes_the_proposer_of_the_higher_goodput():
