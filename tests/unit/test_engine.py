@@ -182,10 +182,21 @@ def test_evicting_a_session_mid_request_gives_the_same_output(engine):
 
 
 def test_caches_are_released_after_each_request(engine):
-    engine.generate(PROMPTS[0], GREEDY, 4)
-    for side in (engine.transport.proposer, engine.transport.verifier):
-        stats = side.cache_stats()
-        assert stats.sessions == 0 and stats.bytes == 0
+    """Each side holds the request's session while it streams (else "released" would hold of
+    a store that keeps nothing), and neither holds it once the request has ended."""
+    sides = (engine.transport.proposer, engine.transport.verifier)
+    held = []
+
+    async def stream():
+        async for _ in engine.generate_stream(PROMPTS[0], GREEDY, 4):
+            held.append(tuple(side.cache_stats().sessions for side in sides))
+
+    for _ in range(2):
+        asyncio.run(stream())
+        for side in sides:
+            stats = side.cache_stats()
+            assert stats.sessions == 0 and stats.bytes == 0
+    assert (1, 1) in held, held
 
 
 def test_small_cache_capacity_evicts_least_recently_used(tiny_pair):
