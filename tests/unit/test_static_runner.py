@@ -78,13 +78,26 @@ def test_requests_batched_together_get_what_each_gets_alone(request, name):
 
 
 def _assert_batched_equals_alone(engine: SpeculativeEngine, params: SamplingParams) -> None:
-    """Every prompt at k = 3 alone, then all of them at once (sharing batches): bitwise equal."""
+    """Every prompt at k = 3 alone, then all of them at once (sharing batches: some verify
+    forward served several sessions): bitwise equal."""
     alone = [engine.generate(p, params, 3) for p in PROMPTS]
+    verifier = engine.transport.verifier
+    sizes = []
+
+    def counted(requests):
+        sizes.append(len(requests))
+        return type(verifier).verify_batch(verifier, requests)
 
     async def together():
         return await asyncio.gather(*(engine.agenerate(p, params, 3) for p in PROMPTS))
 
-    for prompt, single, batched in zip(PROMPTS, alone, asyncio.run(together())):
+    verifier.verify_batch = counted
+    try:
+        outputs = asyncio.run(together())
+    finally:
+        del verifier.verify_batch
+    assert max(sizes) > 1, sizes
+    for prompt, single, batched in zip(PROMPTS, alone, outputs):
         assert batched.token_ids == single.token_ids, prompt
         assert batched.logprobs == single.logprobs, prompt
 
