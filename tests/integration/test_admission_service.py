@@ -182,7 +182,18 @@ def test_malformed_messages_are_invalid_argument_with_a_plain_message(client, me
     assert details.startswith("request: the request is not a valid specdec.v1.GenerateRequest")
     assert "<class" not in details and "Traceback" not in details
     good = client.generate(build_request(PROMPTS[0], max_new_tokens=4))
-    assert good.finish_reason in ("stop", "length")
+    _ran_to_its_end(list(good.token_ids), good, max_new_tokens=4)
+
+
+def _ran_to_its_end(token_ids, final, max_new_tokens):
+    """The completion whose tokens are ``token_ids`` and whose last message is ``final`` ran
+    to its end: its usage counts those tokens, and it ended at max_new_tokens ("length") or
+    stopped before it ("stop"), not cut short."""
+    assert token_ids and final.usage.completion_tokens == len(token_ids), final
+    n = len(token_ids)
+    assert (final.finish_reason == "length" and n == max_new_tokens) or (
+        final.finish_reason == "stop" and n <= max_new_tokens
+    ), (final.finish_reason, n)
 
 
 def _outcome(client):
@@ -241,7 +252,9 @@ def test_past_the_router_queue_requests_are_refused_at_once(client):
         first_end = min(end for _, end in ended)
         assert all(answered < first_end for _, _, answered in refused), (refused, first_end)
         for future in queued:
-            assert future.result()[-1].finish_reason in ("stop", "length")
+            messages = future.result()
+            tokens = [t for message in messages for t in message.token_ids]
+            _ran_to_its_end(tokens, messages[-1], long.max_new_tokens)
     for _ in range(ROUTER_ONGOING + QUEUED + 1):  # sequential: never past the limit
         assert client.generate(build_request(PROMPTS[0], max_new_tokens=4)).token_ids
 
