@@ -117,11 +117,21 @@ def test_a_rebuilt_slot_continues_bitwise_as_the_uninterrupted_one(static_bf16_e
 
 
 def test_every_released_session_gives_its_slot_back(static_engine):
-    for side in (static_engine.transport.verifier, static_engine.transport.proposer):
-        backing = side.sessions._backing
-        for prompt in PROMPTS[:3]:
-            static_engine.generate(prompt, GREEDY, 3)
-        assert backing.free_slots == side.layout.num_slots  # the round loop released them
+    """Each side holds a slot while a request streams (else "gives back" would hold of a pool
+    that never handed one out), and every slot is free once the request has ended (the round
+    loop released them)."""
+    sides = (static_engine.transport.verifier, static_engine.transport.proposer)
+    held = []
+
+    async def stream(prompt):
+        async for _ in static_engine.generate_stream(prompt, GREEDY, 3):
+            held.append(tuple(s.layout.num_slots - s.sessions._backing.free_slots for s in sides))
+
+    for prompt in PROMPTS[:3]:
+        asyncio.run(stream(prompt))
+        for side in sides:
+            assert side.sessions._backing.free_slots == side.layout.num_slots
+    assert (1, 1) in held, held
 
 
 def test_the_captured_step_compiles_whole(static_engine):
