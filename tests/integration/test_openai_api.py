@@ -238,21 +238,29 @@ def test_unset_sampling_fields_are_openais_defaults(oai, grpc_client, model):
         assert answer.usage.completion_tokens == expected.usage.completion_tokens
 
 
-def test_sampling_parameters_and_seed_reach_the_round_loop(oai, model):
+def test_sampling_parameters_and_seed_reach_the_round_loop(oai, grpc_client, model):
+    """temperature, top_p, top_k, seed and stop sent over HTTP sample, twice, token for token
+    what gRPC samples with them at the same k. Temperature 0.7, not OpenAI's default 1, so a
+    dropped temperature would show; and the greedy text differs, so the comparison can tell
+    sampled from greedy output."""
+    sampling = dict(temperature=0.7, top_p=0.9, seed=5, stop=["\n\n"])
+
     def sample():
         answer = oai.completions.create(
             model=model,
             prompt=PROMPTS[0],
             max_tokens=16,
-            temperature=1.0,
-            top_p=0.9,
-            seed=5,
-            stop=["\n\n"],
+            **sampling,
             extra_body={"top_k": 50, "num_speculative_tokens": 3},
         )
         return answer.choices[0].text
 
-    assert sample() == sample()
+    def grpc_text(**fields):
+        return _grpc(grpc_client, 3, prompt=PROMPTS[0], max_new_tokens=16, **fields).text
+
+    expected = grpc_text(top_k=50, **sampling)
+    assert expected != grpc_text(stop=sampling["stop"])  # greedy
+    assert sample() == sample() == expected
 
 
 BAD = [
