@@ -363,6 +363,16 @@ class SpeculationConfig(Section):
     n-gram tail after the draft's tokens in the same forward, where its price says it pays
     (docs/engine.md, "Mixed rounds")."""
 
+    pipelined_drafting: bool = False
+    """While the target verifies a round, the draft drafts the next one as if the whole round
+    is accepted (PEARL, Liu et al. 2025): it runs the round's tokens, drafts one more (its
+    guess of the target's bonus token) and k after it. Where the target then accepts every
+    token and its bonus token is that guess, the next round's tokens are already there and
+    the round skips its draft call; otherwise they are dropped and the draft rolls back to the
+    committed tokens. Exact either way (docs/engine.md, "Pipelined drafting"). Pays where draft
+    and target run on separate devices and the draft's compute and call are a large share of a
+    round; off where they share cores. Not with `alternate_phases`."""
+
     def _check(self) -> None:
         at_least("max_speculative_tokens", self.max_speculative_tokens, 1)
         at_least("draft_top_n", self.draft_top_n, 0)
@@ -374,6 +384,11 @@ class SpeculationConfig(Section):
         at_least("ngram_min_n", self.ngram_min_n, 1)
         at_least("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
         at_least("shared_ngram_bytes", self.shared_ngram_bytes, 0)
+        require(
+            "pipelined_drafting",
+            not (self.pipelined_drafting and self.alternate_phases),
+            "cannot be on with alternate_phases (a pipelined draft runs beside a verify)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

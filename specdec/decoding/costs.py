@@ -144,6 +144,9 @@ class RoundTiming:
             the draft model: it made one call, and tells nothing of the draft's costs.
         ngram_tail: n-gram tokens verified after the draft model's in a mixed round
             (ProposerChoice.tail): the verify covered k + ngram_tail tokens.
+        overlapped: the round's draft tokens were drafted while the previous round verified
+            (pipelined drafting): its draft's costs and its orchestration were not on the
+            round's path, so they price nothing.
     """
 
     verify_s: float
@@ -157,6 +160,7 @@ class RoundTiming:
     batch_rows: int = 0
     draft_free: bool = False
     ngram_tail: int = 0
+    overlapped: bool = False
 
 
 class CostModel:
@@ -228,7 +232,8 @@ class CostModel:
         with self._lock:
             load = self.traffic.draft_load()
             drafted = 0 if timing.draft_free else k
-            self._observe_draft(drafted, timing, load)
+            if not timing.overlapped:
+                self._observe_draft(drafted, timing, load)
             self.traffic.observe_batch(timing.batch_sessions)
             prior_s = self._prior.batch_seconds(timing.batch_rows) if self._prior else None
             batched = timing.batch_sessions > 1 and prior_s is not None
@@ -244,7 +249,8 @@ class CostModel:
             # rounds priced the k > 0 orchestration at about 0.9 s against 0.01 s alone, and
             # auto decoded plain for 144 of 176 choices at acceptance 0.93-0.97.
             lone = timing.batch_sessions <= 1 and self.traffic.in_flight <= 1
-            if lone and not (timing.target_rebuilt or timing.draft_rebuilt):
+            rebuilt = timing.target_rebuilt or timing.draft_rebuilt
+            if lone and not (rebuilt or timing.overlapped):
                 self._overhead[drafted > 0].add(max(timing.overhead_s, 0.0))
 
     def _observe_draft(self, k: int, timing: RoundTiming, load: float) -> None:

@@ -58,6 +58,17 @@ class Completion:
         return len(self.token_ids)
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """A pipelined draft (SpeculationConfig.pipelined_drafting), sent while the target
+    verifies a round: ``task`` gives its ProposeResponse (None: the call failed or missed),
+    drafted after the committed length ``base`` plus the round's tokens ``assumed``."""
+
+    task: asyncio.Future
+    base: int
+    assumed: list[int]
+
+
 class RoundLoop:
     """Runs one request. Iterate ``run()`` for one Delta per round; then read ``completion``.
 
@@ -122,6 +133,9 @@ class RoundLoop:
         # tokens (all accepted ones but the last drafted): its cache holds them.
         self._draft_ran = 0
         self._draft_prefill: asyncio.Future | None = None
+        # Pipelined drafting: off where draft and verify calls alternate in phases.
+        self._pipelined = config.pipelined_drafting and phases is None
+        self._ahead: _Ahead | None = None
         self._called: list[str] = []  # the sides sent a call for this session, in order
         self.completion: Completion | None = None
 
@@ -141,6 +155,7 @@ class RoundLoop:
             self._controller.costs.traffic.request_ended(self._controller)
             if self._draft_prefill is not None:
                 self._draft_prefill.cancel()
+            self._drop_ahead()
             # Shielded: a cancelled request must still free both caches.
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 if self._called:
@@ -209,30 +224,37 @@ class RoundLoop:
     async def _round(self) -> Delta:
         choice = await self._choose()
         start = time.perf_counter()
-        proposal, draft_rebuilt = worker_pb2.ProposeResponse(), False
+        proposal, draft_rebuilt, overlapped = worker_pb2.ProposeResponse(), False, False
         tail, limit = Proposal(NONE, RoundPlan(0)), self._checker.remaining - 1
         if choice.source == DRAFT:
-            response, draft_rebuilt = await self._draft_for_round(choice.plan)
+            response, draft_rebuilt, overlapped = await self._draft_for_round(choice.plan)
             if response is None:  # no draft: n-gram lookup stands in this round
                 choice = self._choices.fallback(limit)._replace(without_draft=True)
             else:
                 proposal = response
                 tail = self._choices.tail(response.token_ids, response.confidences, limit)
+        drafted_s = time.perf_counter() - start
         drafts, q = self._proposed(choice, proposal, tail)
+        if proposal.token_ids:
+            self._draft_ahead(drafts, choice.plan)
         verified, target_rebuilt = await self._verify(drafts, q)
         ngram = choice.source == NGRAM
+        # An overlapped round's draft ran during the last verify: what it waited for the draft
+        # (its answer in flight, or nothing) is the draft's share of this round's path.
+        on_path_s = min(drafted_s, proposal.compute_s) if overlapped else proposal.compute_s
         timing = RoundTiming(
             verify_s=verified.compute_s,
             draft_s=proposal.compute_s,
             catchup_s=proposal.catchup_s,
             catchup_tokens=proposal.catchup_tokens,
-            overhead_s=time.perf_counter() - start - proposal.compute_s - verified.compute_s,
+            overhead_s=time.perf_counter() - start - on_path_s - verified.compute_s,
             draft_rebuilt=draft_rebuilt,
             target_rebuilt=target_rebuilt,
             batch_sessions=verified.batch_sessions,
             batch_rows=verified.batch_rows,
             draft_free=ngram,
             ngram_tail=len(tail.tokens),
+            overlapped=overlapped,
         )
         self._observe(choice, tail, proposal, verified.num_accepted, timing)
         self._recorder.round(
@@ -244,6 +266,7 @@ class RoundLoop:
             without_draft=choice.without_draft,
             ngram=ngram,
             ngram_tail=len(tail.tokens),
+            overlapped=overlapped,
         )
         return self._commit(verified)
 
@@ -271,8 +294,10 @@ class RoundLoop:
 
     async def _draft_for_round(
         self, plan: RoundPlan
-    ) -> tuple[worker_pb2.ProposeResponse | None, bool]:
-        """The round's propose, as _propose. Its first call for this session carries the whole
+    ) -> tuple[worker_pb2.ProposeResponse | None, bool, bool]:
+        """(response, rebuilt, overlapped): the round's propose, as _propose, or the pipelined
+        draft's tokens (overlapped) where the last round was accepted as it assumed
+        (_landed_ahead). Its first call for this session carries the whole
         sequence (the draft's prefill, where it did not run beside the target's); the round
         waits for that one at most draft_wait_s, after which it runs on in the background as
         the draft's prefill (its drafts dropped) and this round goes without the draft, as
@@ -282,16 +307,85 @@ class RoundLoop:
         Why: such a call may take call_timeout_s (a long prompt on a busy CPU), and where the
         draft pool had died unnoticed the round waited all of it: 120 s as shipped on the
         local cluster, for a request that needs no draft to be answered."""
+        ahead = await self._landed_ahead(plan.k)
+        if ahead is not None:
+            return ahead, False, True
         call = self._propose(plan.k, plan.min_draft_confidence)
         if self._known["draft"] > 0 or self._draft_wait_s is None:
-            return await call
+            return *(await call), False
         task = asyncio.ensure_future(call)
         done, _ = await asyncio.wait({task}, timeout=self._draft_wait_s)
         if task in done:
-            return task.result()
+            return *task.result(), False
         self._draft_prefill = task
         self._draft.failed(TimeoutError(f"no draft answer in {self._draft_wait_s:g} s"))
-        return None, False
+        return None, False, False
+
+    def _draft_ahead(self, drafts: list[int], plan: RoundPlan) -> None:
+        """Pipelined drafting: sends, beside this round's verify of ``drafts``, a propose that
+        assumes them accepted and drafts the bonus token's guess and plan.k more (fewer near
+        the length limit). One draft call per request at a time: none while one is in flight,
+        none before the draft's cache is built."""
+        k = min(plan.k, self._checker.remaining - len(drafts) - 2)
+        if not self._pipelined or self._ahead is not None or self._known["draft"] == 0 or k < 1:
+            return
+        request = worker_pb2.ProposeRequest(
+            num_speculative_tokens=k + 1,
+            sampling=self._sampling,
+            draft_top_n=self._config.draft_top_n,
+            min_draft_confidence=plan.min_draft_confidence,
+            assumed_token_ids=drafts,
+        )
+        sent = self._set_session(request, self._known["draft"])  # now: the verify commits next
+        task = asyncio.ensure_future(self._send_ahead(request, sent))
+        self._ahead = _Ahead(task, sent, list(drafts))
+
+    async def _send_ahead(
+        self, request: worker_pb2.ProposeRequest, sent: int
+    ) -> worker_pb2.ProposeResponse | None:
+        """The pipelined propose's call. A miss is not rebuilt here (the next round's own
+        propose does that); a failure tells the breaker, as any draft call's does."""
+        try:
+            response = await self._transport.propose(request)
+        except Exception as err:  # noqa: BLE001 - every draft failure degrades, none fails
+            self._draft.failed(err)
+            return None
+        self._draft.succeeded()
+        if response.cache_miss:
+            return None
+        self._known["draft"] = sent
+        return response
+
+    async def _landed_ahead(self, k: int) -> worker_pb2.ProposeResponse | None:
+        """The pipelined draft's next tokens, at most k, where the round it assumed was
+        accepted whole with its guess as the bonus token (and nothing committed since); None
+        otherwise, its tokens then counted wasted. Waits for the pipelined call in flight, so
+        that the draft's calls of one session stay in order.
+
+        Exact: on a hit its tokens were drawn from the draft's q after exactly the committed
+        tokens, in a draw stream of their own (DraftProposer's AHEAD_STREAM), so they are a
+        draft like any other (Leviathan et al. 2023, section 2.3, holds for any q it reports)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        response = await ahead.task
+        if response is None:
+            return None
+        tokens = list(response.token_ids)
+        hit = len(tokens) > 1 and self._ids[ahead.base :] == [*ahead.assumed, tokens[0]]
+        used = min(k, len(tokens) - 1) if hit else 0
+        self._recorder.wasted(len(tokens) - used - hit)
+        return _rows(response, 1, 1 + used) if used else None
+
+    def _drop_ahead(self) -> None:
+        """Cancels a pipelined draft still in flight (the request ended); counts the tokens of
+        one that answered as wasted."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        if ahead.task.done() and not ahead.task.cancelled() and ahead.task.result() is not None:
+            self._recorder.wasted(len(ahead.task.result().token_ids))
+        ahead.task.cancel()
 
     async def _choose(self) -> Proposal:
         """This round's proposal (ProposerChoice.choose), from whether the draft can be
@@ -407,6 +501,23 @@ class RoundLoop:
             prompt_tokens=len(self._request.prompt_ids),
             stats=self._recorder.finish(len(checker.token_ids)),
         )
+
+
+def _rows(
+    response: worker_pb2.ProposeResponse, start: int, stop: int
+) -> worker_pb2.ProposeResponse:
+    """``response`` cut to its draft tokens [start, stop): their ids, confidences and q rows."""
+    cut = worker_pb2.ProposeResponse(
+        token_ids=response.token_ids[start:stop],
+        confidences=response.confidences[start:stop],
+        compute_s=response.compute_s,
+    )
+    if response.HasField("q"):
+        width = response.q.width
+        cut.q.width = width
+        cut.q.token_ids.extend(response.q.token_ids[start * width : stop * width])
+        cut.q.probs.extend(response.q.probs[start * width : stop * width])
+    return cut
 
 
 def with_point_masses(

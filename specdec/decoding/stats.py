@@ -65,6 +65,11 @@ class SpeculationStats:
             draft model's share is the difference.
         mixed_rounds: decode rounds that verified n-gram tokens after the draft model's
             (specdec.decoding.proposers, ProposerChoice.tail).
+        overlapped_rounds: decode rounds whose draft tokens were drafted while the previous
+            round verified (pipelined drafting): they made no draft call of their own.
+        wasted_draft_tokens: tokens pipelined drafts drafted that no round verified (the
+            previous round was not accepted whole, or its bonus token was not the draft's
+            guess, or the request ended).
     """
 
     rounds: int = 0
@@ -86,6 +91,8 @@ class SpeculationStats:
     ngram_draft_tokens: int = 0
     ngram_accepted_tokens: int = 0
     mixed_rounds: int = 0
+    overlapped_rounds: int = 0
+    wasted_draft_tokens: int = 0
 
     # --- derived figures: the only definitions --------------------------------------------
 
@@ -261,14 +268,17 @@ class StatsRecorder:
         without_draft: bool = False,
         ngram: bool = False,
         ngram_tail: int = 0,
+        overlapped: bool = False,
     ) -> None:
         """Records one decode round: k tokens proposed, num_accepted of them accepted, and the
         round's draft compute, target compute and time outside the models, seconds;
         ``without_draft`` when it could not call the draft model only because the draft side
         was unavailable; ``ngram`` when n-gram lookup proposed all its tokens; ``ngram_tail``
-        when it proposed the last that many (a mixed round)."""
+        when it proposed the last that many (a mixed round); ``overlapped`` when its draft
+        tokens were drafted while the previous round verified."""
         s = self.stats
         s.rounds += 1
+        s.overlapped_rounds += overlapped
         s.rounds_without_draft += without_draft
         s.ngram_rounds += ngram
         s.mixed_rounds += ngram_tail > 0
@@ -284,6 +294,10 @@ class StatsRecorder:
         s.draft_time_s += draft_s
         s.verify_time_s += verify_s
         s.overhead_time_s += overhead_s
+
+    def wasted(self, tokens: int) -> None:
+        """Records pipelined draft tokens that no round verified."""
+        self.stats.wasted_draft_tokens += tokens
 
     def finish(self, completion_tokens: int) -> SpeculationStats:
         """Notes the completion's length (tokens) and the request's wall time; returns the

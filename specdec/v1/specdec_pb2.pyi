@@ -51,7 +51,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s", "rounds_without_draft", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "mixed_rounds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "accepted_per_position", "ttft_s", "tokens_per_second", "draft_time_s", "verify_time_s", "overhead_time_s", "mean_k", "prefill_draft_time_s", "prefill_verify_time_s", "drafted_per_position", "completion_tokens", "wall_time_s", "rounds_without_draft", "ngram_rounds", "ngram_draft_tokens", "ngram_accepted_tokens", "mixed_rounds", "overlapped_rounds", "wasted_draft_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class SpeculationStats(_message.Message):
     NGRAM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NGRAM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIXED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    WASTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -96,7 +98,9 @@ class SpeculationStats(_message.Message):
     ngram_draft_tokens: int
     ngram_accepted_tokens: int
     mixed_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ..., mixed_rounds: _Optional[int] = ...) -> None: ...
+    overlapped_rounds: int
+    wasted_draft_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_tokens: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., overhead_time_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., prefill_draft_time_s: _Optional[float] = ..., prefill_verify_time_s: _Optional[float] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., completion_tokens: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., ngram_accepted_tokens: _Optional[int] = ..., mixed_rounds: _Optional[int] = ..., overlapped_rounds: _Optional[int] = ..., wasted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "stats")

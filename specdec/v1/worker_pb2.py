@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import specdec_pb2 as specdec_dot_v1_dot_specdec__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\x1a\x18specdec/v1/specdec.proto\"b\n\rSessionTokens\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"Q\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"E\n\x12SparseDistribution\x12\r\n\x05width\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xbd\x01\n\x0eProposeRequest\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionTokens\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x13\n\x0b\x64raft_top_n\x18\x04 \x01(\r\x12\x1c\n\x14min_draft_confidence\x18\x05 \x01(\x01\"\xb6\x01\n\x0fProposeResponse\x12\x12\n\ncache_miss\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x11\n\tcatchup_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61tchup_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63onfidences\x18\x07 \x03(\x02\"\xad\x01\n\rVerifyRequest\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionTokens\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\"\x9e\x01\n\x0eVerifyResponse\x12\x12\n\ncache_miss\x18\x01 \x01(\x08\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x06 \x01(\r\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11\x43\x61\x63heStatsRequest\"j\n\nCacheStats\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x10\n\x08rebuilds\x18\x05 \x01(\x04\"K\n\tCostTable\x12\x11\n\tforward_s\x18\x01 \x03(\x01\x12\x0e\n\x06rows_s\x18\x02 \x03(\x01\x12\x1b\n\x13prefill_s_per_token\x18\x03 \x01(\x01\"\xdf\x01\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rcontext_limit\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x32\n\x0b\x63\x61libration\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.DeviceCalibration\x12$\n\x05\x63osts\x18\x07 \x01(\x0b\x32\x15.specdec.v1.CostTable\x12\x17\n\x0fsimulated_costs\x18\x08 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\x1a\x18specdec/v1/specdec.proto\"b\n\rSessionTokens\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"Q\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"E\n\x12SparseDistribution\x12\r\n\x05width\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xd8\x01\n\x0eProposeRequest\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionTokens\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x13\n\x0b\x64raft_top_n\x18\x04 \x01(\r\x12\x1c\n\x14min_draft_confidence\x18\x05 \x01(\x01\x12\x19\n\x11\x61ssumed_token_ids\x18\x06 \x03(\x05\"\xb6\x01\n\x0fProposeResponse\x12\x12\n\ncache_miss\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x11\n\tcatchup_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x63\x61tchup_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63onfidences\x18\x07 \x03(\x02\"\xad\x01\n\rVerifyRequest\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.specdec.v1.SessionTokens\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\"\x9e\x01\n\x0eVerifyResponse\x12\x12\n\ncache_miss\x18\x01 \x01(\x08\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x06 \x01(\r\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11\x43\x61\x63heStatsRequest\"j\n\nCacheStats\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x10\n\x08rebuilds\x18\x05 \x01(\x04\"K\n\tCostTable\x12\x11\n\tforward_s\x18\x01 \x03(\x01\x12\x0e\n\x06rows_s\x18\x02 \x03(\x01\x12\x1b\n\x13prefill_s_per_token\x18\x03 \x01(\x01\"\xdf\x01\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rcontext_limit\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x32\n\x0b\x63\x61libration\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.DeviceCalibration\x12$\n\x05\x63osts\x18\x07 \x01(\x0b\x32\x15.specdec.v1.CostTable\x12\x17\n\x0fsimulated_costs\x18\x08 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=248
   _globals['_SPARSEDISTRIBUTION']._serialized_end=317
   _globals['_PROPOSEREQUEST']._serialized_start=320
-  _globals['_PROPOSEREQUEST']._serialized_end=509
-  _globals['_PROPOSERESPONSE']._serialized_start=512
-  _globals['_PROPOSERESPONSE']._serialized_end=694
-  _globals['_VERIFYREQUEST']._serialized_start=697
-  _globals['_VERIFYREQUEST']._serialized_end=870
-  _globals['_VERIFYRESPONSE']._serialized_start=873
-  _globals['_VERIFYRESPONSE']._serialized_end=1031
-  _globals['_RELEASEREQUEST']._serialized_start=1033
-  _globals['_RELEASEREQUEST']._serialized_end=1069
-  _globals['_RELEASERESPONSE']._serialized_start=1071
-  _globals['_RELEASERESPONSE']._serialized_end=1106
-  _globals['_CACHESTATSREQUEST']._serialized_start=1108
-  _globals['_CACHESTATSREQUEST']._serialized_end=1127
-  _globals['_CACHESTATS']._serialized_start=1129
-  _globals['_CACHESTATS']._serialized_end=1235
-  _globals['_COSTTABLE']._serialized_start=1237
-  _globals['_COSTTABLE']._serialized_end=1312
-  _globals['_REPLICAINFO']._serialized_start=1315
-  _globals['_REPLICAINFO']._serialized_end=1538
+  _globals['_PROPOSEREQUEST']._serialized_end=536
+  _globals['_PROPOSERESPONSE']._serialized_start=539
+  _globals['_PROPOSERESPONSE']._serialized_end=721
+  _globals['_VERIFYREQUEST']._serialized_start=724
+  _globals['_VERIFYREQUEST']._serialized_end=897
+  _globals['_VERIFYRESPONSE']._serialized_start=900
+  _globals['_VERIFYRESPONSE']._serialized_end=1058
+  _globals['_RELEASEREQUEST']._serialized_start=1060
+  _globals['_RELEASEREQUEST']._serialized_end=1096
+  _globals['_RELEASERESPONSE']._serialized_start=1098
+  _globals['_RELEASERESPONSE']._serialized_end=1133
+  _globals['_CACHESTATSREQUEST']._serialized_start=1135
+  _globals['_CACHESTATSREQUEST']._serialized_end=1154
+  _globals['_CACHESTATS']._serialized_start=1156
+  _globals['_CACHESTATS']._serialized_end=1262
+  _globals['_COSTTABLE']._serialized_start=1264
+  _globals['_COSTTABLE']._serialized_end=1339
+  _globals['_REPLICAINFO']._serialized_start=1342
+  _globals['_REPLICAINFO']._serialized_end=1565
 # @@protoc_insertion_point(module_scope)

@@ -42,18 +42,20 @@ class SparseDistribution(_message.Message):
     def __init__(self, width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session", "num_speculative_tokens", "sampling", "draft_top_n", "min_draft_confidence")
+    __slots__ = ("session", "num_speculative_tokens", "sampling", "draft_top_n", "min_draft_confidence", "assumed_token_ids")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOP_N_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session: SessionTokens
     num_speculative_tokens: int
     sampling: SamplingConfig
     draft_top_n: int
     min_draft_confidence: float
-    def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., draft_top_n: _Optional[int] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[_Union[SessionTokens, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., draft_top_n: _Optional[int] = ..., min_draft_confidence: _Optional[float] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("cache_miss", "token_ids", "q", "compute_s", "catchup_s", "catchup_tokens", "confidences")

@@ -164,10 +164,15 @@ class SessionCacheStore:
         self.rebuilds = 0
         self.expirations = 0
 
-    def checkout(self, session: worker_pb2.SessionTokens) -> ActiveSession | None:
+    def checkout(
+        self, session: worker_pb2.SessionTokens, assumed: Sequence[int] = ()
+    ) -> ActiveSession | None:
         """Resolves a call's session; ``None`` when the entry cannot continue it (a miss).
 
         With ``prefix_len == 0`` the call carries the whole sequence and never misses.
+        ``assumed``: tokens the call runs after the committed ones without committing them (a
+        pipelined draft's, ProposeRequest.assumed_token_ids): they join ``pending`` where the
+        cache lacks them, and stay in the cache only as uncommitted tokens do.
         """
         new_ids = list(session.new_token_ids)
         if session.prefix_len == 0 and not new_ids:
@@ -194,7 +199,8 @@ class SessionCacheStore:
         # Cached positions below the old committed length are committed tokens; only the tail
         # (draft tokens fed in the last call) can disagree with the new sequence.
         start = min(len(entry.committed), len(entry.cached_ids)) if session.prefix_len else 0
-        keep = min(_common_prefix(entry.cached_ids, committed, start), len(committed) - 1)
+        target = [*committed, *assumed]
+        keep = min(_common_prefix(entry.cached_ids, target, start), len(target) - 1)
         if session.prompt_len:
             entry.prompt_len = session.prompt_len
         if keep < entry.prompt_len:
@@ -202,7 +208,7 @@ class SessionCacheStore:
         entry.crop(keep)
         entry.committed = committed
         entry.in_flight = True
-        return ActiveSession(session.session_id, entry, committed, committed[keep:])
+        return ActiveSession(session.session_id, entry, committed, target[keep:])
 
     def commit(self, active: ActiveSession) -> None:
         """Stores the entry back as most recently used and evicts others past capacity."""

@@ -17,6 +17,9 @@ from specdec.worker.sampling import processed_probs, request_generator, sample, 
 from specdec.worker.session import SessionModel
 
 DRAFT_STREAM = "draft"
+# A pipelined draft's draws (after assumed tokens): a stream of their own, so that no draw of
+# a draft the router dropped is ever drawn again for a draft it verifies.
+AHEAD_STREAM = "draft-ahead"
 
 
 class DraftProposer(SessionModel):
@@ -99,7 +102,9 @@ class DraftProposer(SessionModel):
         self, requests: list[worker_pb2.ProposeRequest]
     ) -> list[worker_pb2.ProposeResponse]:
         """propose_batch over requests of distinct sessions."""
-        with self.checked_out([request.session for request in requests]) as actives:
+        sessions = [request.session for request in requests]
+        assumed = [list(request.assumed_token_ids) for request in requests]
+        with self.checked_out(sessions, assumed) as actives:
             drafts = [Draft(r, a) for r, a in zip(requests, actives) if a is not None]
             greedy = [d for d in drafts if d.generator is None]
             groups = [greedy] if greedy else []
@@ -148,7 +153,10 @@ class Draft:
         sampling = request.sampling
         self.generator = None
         if sampling.temperature > 0:
-            self.generator = request_generator(sampling.seed, DRAFT_STREAM, len(active.committed))
+            assumed = len(request.assumed_token_ids)
+            stream = AHEAD_STREAM if assumed else DRAFT_STREAM
+            position = len(active.committed) + assumed
+            self.generator = request_generator(sampling.seed, stream, position)
         self.tokens: list[int] = []
         self.q_ids: list[torch.Tensor] = []
         self.q_probs: list[torch.Tensor] = []

@@ -141,15 +141,19 @@ class SessionModel:
 
     @contextlib.contextmanager
     def checked_out(
-        self, tokens: list[worker_pb2.SessionTokens]
+        self,
+        tokens: list[worker_pb2.SessionTokens],
+        assumed: list[list[int]] | None = None,
     ) -> Iterator[list[ActiveSession | None]]:
         """Checks several distinct sessions out for one batched call, as session() does one:
         None for each miss; every entry stored back on success, every one dropped on an error.
+        ``assumed``: per session, tokens to run after its committed ones uncommitted
+        (SessionStore.checkout); None: none.
         """
         actives: list[ActiveSession | None] = []
         try:
-            for one in tokens:
-                actives.append(self.sessions.checkout(one))
+            for one, extra in zip(tokens, assumed or [()] * len(tokens)):
+                actives.append(self.sessions.checkout(one, extra))
             yield actives
         except BaseException:
             for active in actives:
