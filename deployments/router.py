@@ -321,11 +321,15 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
     async def Generate(
         self, request: specdec_pb2.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> specdec_pb2.GenerateResponse:
-        """Unary generation: the whole completion with usage and stats."""
+        """Unary generation: the whole completion with usage and stats. A client cancel or
+        deadline stops the rounds and releases the session, as for a stream."""
         start = time.perf_counter()
         try:
             self._authenticate(grpc_context)
             completion = await (await self._round_loop(request)).complete()
+        except asyncio.CancelledError:
+            self.metrics.record_request("Generate", "CANCELLED")
+            raise
         except Exception as err:  # noqa: BLE001 - every failure becomes a gRPC status
             self._fail("Generate", err, grpc_context)
             return specdec_pb2.GenerateResponse()

@@ -83,7 +83,8 @@ class KController:
         its first draft).
 
         After enough plain rounds in a row (_probe_due), one round drafts k = 1 to re-measure
-        this request's acceptance. Otherwise k maximises E(k) / CostModel.round_seconds(k).
+        this request's acceptance. Otherwise k maximises E(k) / CostModel.round_seconds(k)
+        (with pipelined drafting its expectation over hits, _round_seconds).
 
         Its ``min_draft_confidence`` is 0, or with a dynamic draft length the marginal rule.
         Drafting one more token costs a draft step plus what it adds to the verify, and commits
@@ -141,7 +142,7 @@ class KController:
         def tokens_per_s(k: int) -> float:
             tokens = mean_expected_tokens(rates, k)
             start = start_s * tokens if k else 0.0
-            return tokens / (self.costs.round_seconds(k, sessions) + start)
+            return tokens / (self._round_seconds(k, sessions, rates) + start)
 
         best = max(range(cap + 1), key=tokens_per_s)
         if log.isEnabledFor(logging.DEBUG):
@@ -155,6 +156,18 @@ class KController:
         longest, marginal_s = self._dynamic_length(best, cap, sessions, best_rate)
         floor = min(marginal_s * best_rate, 1.0)
         return RoundPlan(longest, self.confidence.raw_floor(floor), best_rate)
+
+    def _round_seconds(self, k: int, sessions: float, rates: Sequence[float]) -> float:
+        """CostModel.round_seconds(k), or with pipelined drafting its expectation: a round is a
+        hit (its tokens drafted during the last verify, no draft call of its own: priced as
+        draft_free_round_seconds) when the round before it, drafting k too, was accepted whole
+        and the draft guessed its bonus token, about rate^(k + 1) (the guess taken as likely as
+        an accepted token)."""
+        full = self.costs.round_seconds(k, sessions)
+        if not (self.config.pipelined_drafting and k):
+            return full
+        hit = sum(rate ** (k + 1) for rate in rates) / len(rates)
+        return full - hit * (full - self.costs.draft_free_round_seconds(k, sessions))
 
     def _dynamic_length(
         self, best: int, cap: int, sessions: float, tokens_per_s: float

@@ -286,20 +286,21 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, reference, field
     assert list(good.token_ids) == reference(PROMPTS[0], 8)
 
 
-def _cancelled_streams(text):
-    """GenerateStream requests the router counted as CANCELLED, summed over its replicas, from
-    the ray_specdec_requests_total counter in a Prometheus exposition."""
+def _cancelled(text, method="GenerateStream"):
+    """``method``'s requests the router counted as CANCELLED (a client cancel or deadline),
+    summed over its replicas, from the ray_specdec_requests_total counter in a Prometheus
+    exposition."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("ray_specdec_requests_total")
-        and 'method="GenerateStream"' in line
+        and f'method="{method}"' in line
         and 'code="CANCELLED"' in line
     )
 
 
 def test_cancelled_stream_releases_both_caches(client):
-    before = _cancelled_streams(_scrape_metrics())
+    before = _cancelled(_scrape_metrics())
     stream = client.generate_stream(
         build_request(PROMPTS[2], max_new_tokens=200, num_speculative_tokens=1)
     )
@@ -309,15 +310,19 @@ def test_cancelled_stream_releases_both_caches(client):
     _wait_until(_all_caches_empty)
     # Released because the rounds were cancelled, not because the stream ran to its end: the
     # router counted the request as CANCELLED (the metrics export lags by seconds).
-    _wait_until(lambda: _cancelled_streams(_scrape_metrics()) > before, timeout_s=90)
+    _wait_until(lambda: _cancelled(_scrape_metrics()) > before, timeout_s=90)
 
 
 def test_deadline_is_deadline_exceeded_and_releases_the_session(client):
+    before = _cancelled(_scrape_metrics(), "Generate")
     request = build_request(PROMPTS[3], max_new_tokens=230, num_speculative_tokens=1)
     with pytest.raises(grpc.RpcError) as err:
         client.generate(request, timeout_s=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_until(_all_caches_empty)
+    # Released because the deadline stopped the rounds, not because the 230 tokens ran to
+    # their end: the router counted the request as CANCELLED (the export lags by seconds).
+    _wait_until(lambda: _cancelled(_scrape_metrics(), "Generate") > before, timeout_s=90)
 
 
 def _kill(replica):

@@ -14,8 +14,11 @@ import dataclasses
 import pytest
 
 from specdec import SamplingParams
-from specdec.config import SpecdecConfig
+from specdec.config import SpecdecConfig, SpeculationConfig
+from specdec.decoding.acceptance import AcceptanceEstimator, mean_expected_tokens
+from specdec.decoding.costs import CostModel, CostPrior
 from specdec.decoding.degrade import DraftAvailability
+from specdec.decoding.k_policy import KController
 from specdec.decoding.request import encode_prompt, prepare_request
 from specdec.decoding.round_loop import RoundLoop
 from specdec.errors import ConfigError
@@ -147,3 +150,28 @@ def test_batched_pipelined_requests_give_the_target_alone_output(engine, target_
 def test_pipelined_drafting_and_alternating_phases_are_refused_together():
     with pytest.raises(ConfigError, match="^pipelined_drafting: "):
         SpecdecConfig.of(pipelined_drafting=True, alternate_phases=True)
+
+
+def _controller(pipelined: bool, rate: float):
+    """A KController at fixed costs: a flat 13 ms verify, a draft step a third of it."""
+    config = SpeculationConfig(
+        max_speculative_tokens=8, dynamic_draft_length=False, pipelined_drafting=pipelined
+    )
+    prior = CostPrior(verify_s=[0.013] * 9, draft_step_s=0.004, catchup_s=0.004)
+    return KController(CostModel(config, prior), config, acceptance=AcceptanceEstimator(rate))
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.8, 0.95])
+def test_the_controller_prices_a_round_with_its_chance_to_skip_the_draft(rate):
+    """With pipelined drafting a round of k costs its draft only when the round before it
+    missed: about 1 - rate^(k + 1) of the time. So it predicts more tokens per second, priced
+    as that expectation."""
+    sequential, pipelined = _controller(False, rate), _controller(True, rate)
+    plain, ahead = sequential.choose(limit=100), pipelined.choose(limit=100)
+    assert ahead.tokens_per_s > plain.tokens_per_s
+    k = ahead.k
+    costs = pipelined.costs
+    hit = pipelined.acceptance.rate ** (k + 1)
+    full, free = costs.round_seconds(k), costs.draft_free_round_seconds(k)
+    expected = mean_expected_tokens([pipelined.acceptance.rate], k) / (full - hit * (full - free))
+    assert ahead.tokens_per_s == pytest.approx(expected)
