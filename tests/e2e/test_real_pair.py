@@ -9,6 +9,7 @@ see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dt
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -135,11 +136,18 @@ def test_k0_and_speculative_equal_the_reference_decoder(real_engine):
 
 
 def test_seeded_sampling_is_reproducible(real_engine):
+    """Same seed, same tokens; and the seed is what decides them: other seeds sample other
+    continuations (two, as one could happen to agree on 16 tokens of code)."""
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=1234)
     first = real_engine.generate(PROMPT, params, num_speculative_tokens=3)
     second = real_engine.generate(PROMPT, params, num_speculative_tokens=3)
+    others = [
+        real_engine.generate(PROMPT, dataclasses.replace(params, seed=seed), 3).token_ids
+        for seed in (7, 99)
+    ]
 
     assert first.completion_tokens > 0
     assert first.stats.draft_tokens > 0
     assert second.token_ids == first.token_ids
     assert second.logprobs == pytest.approx(first.logprobs)
+    assert any(tokens != first.token_ids for tokens in others)
