@@ -345,13 +345,8 @@ class RoundLoop:
     ) -> worker_pb2.ProposeResponse | None:
         """The pipelined propose's call. A miss is not rebuilt here (the next round's own
         propose does that); a failure tells the breaker, as any draft call's does."""
-        try:
-            response = await self._transport.propose(request)
-        except Exception as err:  # noqa: BLE001 - every draft failure degrades, none fails
-            self._draft.failed(err)
-            return None
-        self._draft.succeeded()
-        if response.cache_miss:
+        response = await self._guarded(self._transport.propose(request))
+        if response is None or response.cache_miss:
             return None
         self._known["draft"] = sent
         return response
@@ -428,13 +423,20 @@ class RoundLoop:
             draft_top_n=self._config.draft_top_n,
             min_draft_confidence=min_confidence,
         )
+        answered = await self._guarded(self._call("draft", self._transport.propose, request))
+        return answered or (None, False)
+
+    async def _guarded(self, call):
+        """What the draft call ``call`` returns, or None when it failed, which it tells the
+        shared DraftAvailability (as a success, too): every draft failure degrades, none
+        fails."""
         try:
-            response = await self._call("draft", self._transport.propose, request)
+            answered = await call
         except Exception as err:  # noqa: BLE001 - every draft failure degrades, none fails
             self._draft.failed(err)
-            return None, False
+            return None
         self._draft.succeeded()
-        return response
+        return answered
 
     async def _verify(
         self, drafts: list[int], q: worker_pb2.SparseDistribution | None

@@ -148,7 +148,7 @@ class SessionModel:
         """Checks several distinct sessions out for one batched call, as session() does one:
         None for each miss; every entry stored back on success, every one dropped on an error.
         ``assumed``: per session, tokens to run after its committed ones uncommitted
-        (SessionStore.checkout); None: none.
+        (SessionCacheStore.checkout); None: none.
         """
         actives: list[ActiveSession | None] = []
         try:
