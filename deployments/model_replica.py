@@ -7,10 +7,11 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from specdec.config import SpecdecConfig
 from specdec.deployments.batching import BatchSizer
+from specdec.deployments.direct import DirectServer
 from specdec.deployments.logs import route_specdec_logs
 from specdec.deployments.metrics import ReplicaMetrics
 from specdec.device.calibration.load import load_calibrated
@@ -81,6 +82,8 @@ class ModelReplica:
         if config.models.simulated_costs:
             self._simulate(side, config)
         self._metrics = ReplicaMetrics()
+        self._direct_idle_s = config.models.cache_idle_s
+        self._direct = DirectServer({}, self._direct_idle_s)
         self._watchdog = ComputeWatchdog(
             config.models.stuck_forward_s, config.models.max_forward_failures
         )
@@ -113,6 +116,22 @@ class ModelReplica:
         self._sizer = BatchSizer(config.models.max_batch_size, config.models.batch_wait_fraction)
         self._resize_batches()
 
+    def _serve_directly(self, **handlers) -> None:
+        """The calls (name in specdec.deployments.direct.MESSAGES -> this replica's coroutine)
+        that a lease's holder may send over the direct path (service.direct_calls)."""
+        self._direct = DirectServer(handlers, self._direct_idle_s)
+
+    async def lease(self, session_id: str) -> AsyncIterator[str]:
+        """Serve streaming method: a session's lease on this replica's direct endpoint
+        (specdec.deployments.direct): "HOST:PORT SECRET", then open until the session is
+        released or idles past models.cache_idle_s."""
+        async for message in self._direct.lease(session_id):
+            yield message
+
+    async def direct_stats(self) -> dict[str, int]:
+        """{"served": calls answered over the direct path, "leases": leases open now}."""
+        return {"served": self._direct.served, "leases": self._direct.open_leases}
+
     def _resize_batches(self) -> None:
         size, wait_s = self._sizer.next_batch()
         self._batch_method.set_max_batch_size(size)
@@ -132,6 +151,7 @@ class ModelReplica:
         except ComputeUnhealthy:
             self._metrics.refused.inc()
             raise
+        self._direct.called(request.session.session_id)
         arrival = (time.monotonic(), request)
         response = await batched(arrival)
         while response is DEFERRED:
@@ -203,6 +223,7 @@ class ModelReplica:
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         response = self.side.release(request)
+        self._direct.released(request.session_id)
         self._sizer.release(request.session_id)
         self._resize_batches()
         self._report_cache()

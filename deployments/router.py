@@ -44,6 +44,7 @@ from specdec.decoding.round_loop import Completion, RoundLoop
 from specdec.decoding.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.decoding.stopping import Delta
 from specdec.deployments import health
+from specdec.deployments.direct import Channels, SessionLeases
 from specdec.deployments.failures import ServiceUnavailable, grpc_status, retryable
 from specdec.deployments.http_api import HTTP_APP, OpenAIRoutes
 from specdec.deployments.http_health import HealthRoutes
@@ -103,10 +104,13 @@ class HandleTransport:
         session_id: str,
         service: ServiceConfig,
         replicas: health.ReplicaCounts | None = None,
+        channels: Channels | None = None,
     ) -> None:
         self._draft = draft.options(session_id=session_id)
         self._target = target.options(session_id=session_id)
         self._service = service
+        # service.direct_calls: rounds over leases, Serve when a lease cannot carry a call.
+        self._leases = SessionLeases(session_id, channels) if channels is not None else None
         self._replicas = replicas
         self._target_answered = False
 
@@ -117,10 +121,19 @@ class HandleTransport:
         service = self._service
         full = request.session.prefix_len == 0
         timeout = service.call_timeout_s if full else service.draft_timeout_s
+        if self._leases is not None:
+            response = await self._leases.call("draft", self._draft, "propose", request, timeout)
+            if response is not None:
+                return response
         return await asyncio.wait_for(self._draft.propose.remote(request), timeout)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
-        response = await self._call("verify", request)
+        response = None
+        if self._leases is not None:
+            timeout = self._service.call_timeout_s
+            response = await self._leases.call("target", self._target, "verify", request, timeout)
+        if response is None:
+            response = await self._call("verify", request)
         self._target_answered = True
         return response
 
@@ -131,6 +144,8 @@ class HandleTransport:
         until a draft replica exists, and every request then ended call_timeout_s late (120 s
         as shipped on the local cluster). A draft replica that never receives it frees the
         session once it idles `cache_idle_s`."""
+        if self._leases is not None:
+            self._leases.close()
         request = worker_pb2.ReleaseRequest(session_id=session_id)
         # Serve cancels the handle calls a request has in flight when that request is cancelled,
         # and a request can end before its release is answered (a closed HTTP stream: starlette
@@ -298,6 +313,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
         )
         self.draft = draft.options(_by_reference=False)
         self.target = target.options(_by_reference=False)
+        self._channels = Channels() if config.service.direct_calls else None
         self.costs = CostModel(config.speculation)
         self.shared_ngrams = shared_ngrams(config.speculation)
         self.phases = PhaseGate() if config.speculation.alternate_phases else None
@@ -449,7 +465,12 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             default_proposer=self.config.speculation.proposer,
         )
         transport = HandleTransport(
-            self.draft, self.target, prepared.session_id, self.config.service, self._replicas
+            self.draft,
+            self.target,
+            prepared.session_id,
+            self.config.service,
+            self._replicas,
+            self._channels,
         )
         return RoundLoop(
             transport,

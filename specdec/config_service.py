@@ -43,6 +43,14 @@ class ServiceConfig(Section):
     prompt's prefill, a rebuild) may take `call_timeout_s`, but a round waits for it at most
     this long: past it, the call runs on in the background as the draft's prefill."""
 
+    direct_calls: bool = False
+    """A session's propose and verify calls go over a gRPC channel straight to the replica that
+    holds its cache (specdec.deployments.direct), not through Serve's handle path each round:
+    about a millisecond less a call. Serve still places each session (a lease, one ongoing
+    request on its replica for the session's life: autoscaling, `max_ongoing_requests` and
+    draining count sessions, not calls); a direct call that fails goes through Serve instead.
+    Off by default while it is new."""
+
     draft_retry_s: float = 1.0
     """Seconds from a draft failure to the router's first check that a draft replica answers
     again (its model info, in the background); each failed check doubles the wait, up to

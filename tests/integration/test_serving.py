@@ -16,6 +16,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import LOCAL_CONFIG
+from serve_state import all_caches_empty as _all_caches_empty
+from serve_state import handle as _handle
+from serve_state import running_replicas as _replicas
+from serve_state import streams_survive_a_killed_target
+from serve_state import wait_until as _wait_until
 
 from specdec.client import build_request
 from specdec.config import APPLICATION, PROPOSERS
@@ -29,53 +34,6 @@ APP = APPLICATION
 @pytest.fixture(scope="module")
 def client(served):
     return served[0]
-
-
-def _replicas(deployment):
-    from ray import serve
-    from ray.serve.schema import ServeInstanceDetails
-
-    details = ServeInstanceDetails(**serve.context._get_global_client().get_serve_details())
-    return [
-        r
-        for r in details.applications[APP].deployments[deployment].replicas
-        if r.state == "RUNNING"
-    ]
-
-
-def _handle(deployment, session_id=None):
-    from ray import serve
-
-    handle = serve.get_deployment_handle(deployment, APP)
-    return handle.options(session_id=session_id) if session_id else handle
-
-
-def _cache_stats_per_replica(deployment):
-    """{replica_id: CacheStats}, reaching each replica through a session key that hashes to it."""
-    stats = {}
-    for i in range(200):
-        handle = _handle(deployment, f"probe-{i}")
-        replica = handle.replica_id.remote().result()
-        if replica not in stats:
-            stats[replica] = (f"probe-{i}", handle.cache_stats.remote().result())
-        if len(stats) == len(_replicas(deployment)):
-            break
-    return stats
-
-
-def _all_caches_empty():
-    return all(
-        s.sessions == 0 and s.bytes == 0
-        for deployment in ("DraftModel", "TargetModel")
-        for _, s in _cache_stats_per_replica(deployment).values()
-    )
-
-
-def _wait_until(predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8, None])
@@ -323,7 +281,8 @@ def test_cancelled_stream_releases_both_caches(client):
         stream.cancel()
         _wait_until(_all_caches_empty)
         # The metrics export lags by seconds: wait until the stream is counted either way.
-        _wait_until(lambda: sum(_stream_outcomes()) > cancelled + ran_out, timeout_s=90)
+        counted = cancelled + ran_out
+        _wait_until(lambda seen=counted: sum(_stream_outcomes()) > seen, timeout_s=90)
         if _stream_outcomes()[0] > cancelled:
             return
     pytest.fail(f"every one of {_CANCEL_TRIES} cancelled streams ran to its end")
@@ -341,36 +300,10 @@ def test_deadline_is_deadline_exceeded_and_releases_the_session(client):
     _wait_until(lambda: _counted(_scrape_metrics(), "Generate") > before, timeout_s=90)
 
 
-def _kill(replica):
-    import ray
-
-    ray.kill(ray.get_actor(replica.actor_name, namespace="serve"), no_restart=True)
-
-
 def test_killed_target_replica_mid_request_gives_identical_output(client, reference):
     """Several concurrent greedy streams; the target replica holding sessions is killed; every
     request still finishes with the undisturbed output, rebuilt on the other replica."""
-    _wait_until(lambda: len(_replicas("TargetModel")) == 2, timeout_s=60)
-    prompts = PROMPTS[:6]
-    n = 200
-    streams = [
-        client.generate_stream(build_request(p, max_new_tokens=n, num_speculative_tokens=1))
-        for p in prompts
-    ]
-    firsts = [next(s) for s in streams]  # every session now holds a cache on some replica
-    busy = {rid for rid, (_, s) in _cache_stats_per_replica("TargetModel").items() if s.sessions}
-    victim = next(r for r in _replicas("TargetModel") if r.replica_id in busy)
-    _kill(victim)
-
-    def rest(stream, first):
-        return list(first.token_ids) + [t for m in stream for t in m.token_ids]
-
-    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
-        outputs = list(pool.map(rest, streams, firsts))
-    for prompt, tokens in zip(prompts, outputs):
-        assert tokens == reference(prompt, n)
-    survivors = _cache_stats_per_replica("TargetModel")
-    assert sum(s.rebuilds for _, s in survivors.values()) >= 1
+    streams_survive_a_killed_target(client, reference)
 
 
 def _scrape_metrics():

@@ -1,0 +1,110 @@
+"""service.direct_calls on a real local cluster: rounds over leases straight to the replicas
+(deployments/direct.py), exact, and Serve's path whenever a lease cannot carry a call."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import pytest
+from serve_state import (
+    all_caches_empty,
+    handle,
+    running_replicas,
+    streams_survive_a_killed_target,
+    wait_until,
+)
+
+from specdec.client import build_request
+from specdec.deployments.direct import SECRET_HEADER, SERVICE
+from specdec.models.tiny import PROMPTS
+from specdec.v1 import worker_pb2
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, tiny_service):
+    """The tiny pair with direct calls, two target replicas (one is killed below)."""
+    with tiny_service(tmp_path_factory.mktemp("direct"), direct_calls=True) as (client, _, _):
+        yield client
+
+
+def _direct_stats(deployment):
+    """{"served": ..., "leases": ...} summed over ``deployment``'s RUNNING replicas."""
+    seen, total = set(), {"served": 0, "leases": 0}
+    for i in range(200):
+        probe = handle(deployment, f"probe-{i}")
+        replica = probe.replica_id.remote().result()
+        if replica not in seen:
+            seen.add(replica)
+            for key, value in probe.direct_stats.remote().result().items():
+                total[key] += value
+        if len(seen) == len(running_replicas(deployment)):
+            return total
+    raise AssertionError(f"no probe session reached every {deployment} replica")
+
+
+def test_greedy_output_over_direct_calls_equals_the_target_alone(client, reference):
+    """Concurrent greedy requests at k = 0, 2 and auto equal the target alone, and both sides
+    answered most of their calls directly (a session's first call of a side goes via Serve)."""
+    before = {d: _direct_stats(d)["served"] for d in ("DraftModel", "TargetModel")}
+    cases = [(p, k) for p in PROMPTS[:3] for k in (0, 2, None)]
+
+    def run(case):
+        prompt, k = case
+        request = build_request(prompt, max_new_tokens=48, num_speculative_tokens=k)
+        return list(client.generate(request).token_ids)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(run, cases))
+    for (prompt, _), tokens in zip(cases, outputs):
+        assert tokens == reference(prompt, 48)
+    after = {d: _direct_stats(d)["served"] for d in ("DraftModel", "TargetModel")}
+    # k = 2 alone makes 47 or fewer rounds a request; every one after the first is direct.
+    assert after["TargetModel"] - before["TargetModel"] >= len(cases) * 10
+    assert after["DraftModel"] - before["DraftModel"] >= 3
+
+
+def test_leases_end_with_their_requests(client):
+    """Once its requests are over, no replica holds a lease or a cache."""
+    client.generate(build_request(PROMPTS[4], max_new_tokens=32, num_speculative_tokens=2))
+    stream = client.generate_stream(
+        build_request(PROMPTS[5], max_new_tokens=200, num_speculative_tokens=2)
+    )
+    for _ in range(3):
+        next(stream)
+    stream.cancel()
+    wait_until(
+        lambda: all(_direct_stats(d)["leases"] == 0 for d in ("DraftModel", "TargetModel")),
+        timeout_s=30,
+    )
+    wait_until(all_caches_empty)
+
+
+def test_a_direct_call_needs_its_replicas_lease_secret(client):
+    """The direct port answers only callers that hold a lease (the secret travels in it)."""
+    lease = handle("TargetModel", "secret-probe").options(stream=True).lease.remote("secret-probe")
+    address, secret = next(iter(lease)).split(" ", 1)
+    request = worker_pb2.VerifyRequest(
+        session=worker_pb2.SessionTokens(session_id="secret-probe", prefix_len=5)
+    )
+    with grpc.insecure_channel(address) as channel:
+        verify = channel.unary_unary(
+            f"/{SERVICE}/verify",
+            request_serializer=worker_pb2.VerifyRequest.SerializeToString,
+            response_deserializer=worker_pb2.VerifyResponse.FromString,
+        )
+        for metadata in ((), ((SECRET_HEADER, "0" * len(secret)),)):
+            with pytest.raises(grpc.RpcError) as err:
+                verify(request, timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # With the secret: answered (a session this replica never saw is a cache miss).
+        assert verify(request, timeout=10, metadata=((SECRET_HEADER, secret),)).cache_miss
+    lease.cancel()
+
+
+def test_killed_target_replica_mid_request_gives_identical_output(client, reference):
+    """A direct call to a killed replica fails; the call goes through Serve to the other
+    replica, which rebuilds the session: every output still equals the target alone."""
+    streams_survive_a_killed_target(client, reference)
