@@ -25,7 +25,7 @@ class DraftModel(ModelReplica):
 
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(proposer_class(config), "draft", config)
-        self._size_batches(self._propose_batch, config)
+        self._size_batches(self._propose_batch, config, "propose", self.side.propose_batch)
         self._serve_directly(propose=self.propose)
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:

@@ -82,6 +82,7 @@ class ModelReplica:
         if config.models.simulated_costs:
             self._simulate(side, config)
         self._metrics = ReplicaMetrics()
+        self._batches_running = 0  # _compute_batch calls not yet returned
         self._direct_idle_s = config.models.cache_idle_s
         self._direct = DirectServer({}, self._direct_idle_s)
         self._watchdog = ComputeWatchdog(
@@ -108,11 +109,13 @@ class ModelReplica:
         self._info.simulated_costs = table.label
         log.warning("simulated device costs: every forward is held to %r", table.label)
 
-    def _size_batches(self, batched, config: SpecdecConfig) -> None:
-        """Makes ``batched`` (this deployment's serve.batch method) the one _compute_batch
-        sizes: each batch closes once the sessions active lately are in, or after
-        models.batch_wait_fraction of the last batch's seconds (specdec.deployments.batching)."""
+    def _size_batches(self, batched, config: SpecdecConfig, method: str, run_batch) -> None:
+        """Makes ``batched`` (this deployment's serve.batch method, which runs ``run_batch``
+        as ``method``) the one _compute_batch sizes: each batch closes once the sessions active
+        lately are in, or after models.batch_wait_fraction of the last batch's seconds
+        (specdec.deployments.batching)."""
         self._batch_method = batched
+        self._alone = (method, run_batch)
         self._sizer = BatchSizer(config.models.max_batch_size, config.models.batch_wait_fraction)
         self._resize_batches()
 
@@ -138,9 +141,10 @@ class ModelReplica:
         self._batch_method.set_batch_wait_timeout_s(wait_s)
 
     async def _batched(self, batched, request):
-        """One call through the serve.batch method ``batched``; raises its own error. A call
-        the batch deferred (a prefill past its budget, SessionModel.run_batch) joins the next
-        one, keeping its arrival time.
+        """One call: run alone when no batch runs and no other session called lately, else
+        through the serve.batch method ``batched``; raises its own error. A call the batch
+        deferred (a prefill past its budget, SessionModel.run_batch) joins the next one,
+        keeping its arrival time.
 
         Raises:
             ComputeUnhealthy: this replica's compute path is broken (stuck or failing,
@@ -153,7 +157,12 @@ class ModelReplica:
             raise
         self._direct.called(request.session.session_id)
         arrival = (time.monotonic(), request)
-        response = await batched(arrival)
+        if self._batches_running == 0 and self._sizer.active() <= 1:
+            # Nothing to batch with: serve.batch's queue would only cost its hand-offs (about
+            # 0.3 ms a call, measured). A batch of one is never deferred.
+            [response] = await self._compute_batch(*self._alone, [arrival])
+        else:
+            response = await batched(arrival)
         while response is DEFERRED:
             response = await batched(arrival)
         if isinstance(response, Exception):
@@ -164,8 +173,17 @@ class ModelReplica:
         self, method: str, fn: Callable[[list], list], arrivals: list[tuple[float, object]]
     ) -> list:
         """Runs fn over the requests of ``arrivals`` ([(arrival time.monotonic(), request)]),
-        a batch Serve's serve.batch gathered, on the compute thread; returns fn's list, whose
-        items are responses or the exceptions of single requests."""
+        a batch Serve's serve.batch gathered or a lone call, on the compute thread; returns fn's
+        list, whose items are responses or the exceptions of single requests."""
+        self._batches_running += 1
+        try:
+            return await self._run_batch(method, fn, arrivals)
+        finally:
+            self._batches_running -= 1
+
+    async def _run_batch(
+        self, method: str, fn: Callable[[list], list], arrivals: list[tuple[float, object]]
+    ) -> list:
         started = time.monotonic()
         tags = {"method": method}
         for arrived, _ in arrivals:

@@ -26,7 +26,7 @@ class TargetModel(ModelReplica):
 
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(verifier_class(config), "target", config)
-        self._size_batches(self._verify_batch, config)
+        self._size_batches(self._verify_batch, config, "verify", self.side.verify_batch)
         self._serve_directly(verify=self.verify)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
