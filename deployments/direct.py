@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import secrets
 import time
@@ -41,92 +42,139 @@ MESSAGES = {
     "propose": (worker_pb2.ProposeRequest, worker_pb2.ProposeResponse),
     "verify": (worker_pb2.VerifyRequest, worker_pb2.VerifyResponse),
 }
-LEASE_RETRY_S = 1.0  # after a lease failed to open, the session's calls go through Serve this long
+LEASE_OPEN_S = 2.0  # the longest wait for a lease's first message
+LEASE_RETRY_S = (
+    5.0  # after a lease or a direct call failed, the side's calls go via Serve this long
+)
+RELEASED_KEEP_S = (
+    60.0  # how long a replica remembers a released session (a late lease ends at once)
+)
 _OPTIONS = [
     ("grpc.max_send_message_length", RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH),
     ("grpc.max_receive_message_length", RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH),
 ]
 
 
+class _Session:
+    """A session's leases on one replica: how many are open, its last call, its release."""
+
+    def __init__(self) -> None:
+        self.leases = 0
+        self.last_call = time.monotonic()
+        self.released = asyncio.Event()
+
+
 class DirectServer:
     """A replica's direct endpoint: a grpc.aio server for ``handlers`` (method name in MESSAGES
     -> the replica's coroutine), started on the first lease, on the event loop that leases run
     on (the replica's user-code loop, where its Serve methods run). Calls without the replica's
-    secret (sent only in leases, over Serve) are refused UNAUTHENTICATED.
+    secret (which a router learns only from a lease, over Serve) are refused UNAUTHENTICATED.
+
+    At most ``max_sessions`` sessions hold leases at once; a lease past that answers "" at once
+    and the session's calls go through Serve. A lease holds one of Serve's ongoing requests on
+    the replica (max_ongoing_requests, 32 as shipped), and the calls of the sessions without one
+    need the rest.
 
     Args:
         handlers: {"propose" or "verify": async (request message) -> response message}.
-        idle_s: a lease ends once its session made no call this long (models.cache_idle_s).
+        idle_s: a lease ends once its session made no call this long (models.cache_idle_s;
+            0: only its release or its router ends it).
+        max_sessions: sessions that may hold leases at once (models.max_batch_size: a batch).
     """
 
     def __init__(
-        self, handlers: Mapping[str, Callable[[object], Awaitable[object]]], idle_s: float
+        self,
+        handlers: Mapping[str, Callable[[object], Awaitable[object]]],
+        idle_s: float,
+        max_sessions: int,
     ) -> None:
         self._handlers = dict(handlers)
         self._idle_s = idle_s
+        self._max_sessions = max_sessions
         self._secret = secrets.token_hex(16)
         self._server: grpc.aio.Server | None = None
+        self._starting = asyncio.Lock()
         self._address: str | None = None
-        self._last_call: dict[str, float] = {}
-        self._released: dict[str, asyncio.Event] = {}
+        self._sessions: dict[str, _Session] = {}
+        # Sessions released lately: a lease that arrives after its session's release (its
+        # cancel lost on the way) ends at once instead of holding a slot for idle_s.
+        self._released: dict[str, float] = {}
         self.served = 0  # calls answered directly
-
-    async def lease(self, session_id: str) -> AsyncIterator[str]:
-        """Yields "HOST:PORT SECRET", then holds until the session is released (released())
-        or idles past idle_s (its calls over either path count, see called())."""
-        address = await self._start()
-        released = self._released.setdefault(session_id, asyncio.Event())
-        self._last_call.setdefault(session_id, time.monotonic())
-        try:
-            yield f"{address} {self._secret}"
-            while not released.is_set():
-                idle = time.monotonic() - self._last_call.get(session_id, 0.0)
-                if idle >= self._idle_s:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(released.wait(), self._idle_s - idle)
-        finally:
-            if self._released.get(session_id) is released:
-                del self._released[session_id]
-                self._last_call.pop(session_id, None)
 
     @property
     def open_leases(self) -> int:
-        return len(self._released)
+        return sum(session.leases for session in self._sessions.values())
+
+    async def lease(self, session_id: str) -> AsyncIterator[str]:
+        """Yields "HOST:PORT SECRET" (or "" when the session may not lease, see the class),
+        then holds until the session is released (released()) or idles past idle_s (its calls
+        over either path count, see called())."""
+        address = await self._start()
+        # No await from this check to the session's entry: concurrent leases count each other.
+        if session_id in self._released or (
+            session_id not in self._sessions and len(self._sessions) >= self._max_sessions
+        ):
+            yield ""
+            return
+        session = self._sessions.setdefault(session_id, _Session())
+        session.leases += 1
+        try:
+            yield f"{address} {self._secret}"
+            while not session.released.is_set():
+                idle = time.monotonic() - session.last_call
+                if self._idle_s > 0 and idle >= self._idle_s:
+                    return
+                wait = self._idle_s - idle if self._idle_s > 0 else None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(session.released.wait(), wait)
+        finally:
+            session.leases -= 1
+            if session.leases == 0 and self._sessions.get(session_id) is session:
+                del self._sessions[session_id]
 
     def called(self, session_id: str) -> None:
         """A call of ``session_id`` arrived (over either path): its lease is not idle."""
-        if session_id in self._released:
-            self._last_call[session_id] = time.monotonic()
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.last_call = time.monotonic()
 
     def released(self, session_id: str) -> None:
-        """The session was released: its lease ends."""
-        event = self._released.get(session_id)
-        if event is not None:
-            event.set()
+        """The session was released: its leases end, and a later lease of it ends at once."""
+        now = time.monotonic()
+        self._released = {s: t for s, t in self._released.items() if now - t < RELEASED_KEEP_S}
+        self._released[session_id] = now
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.released.set()
 
     async def _start(self) -> str:
-        if self._address is None:
-            server = grpc.aio.server(options=_OPTIONS)
-            rpcs = {
-                name: grpc.unary_unary_rpc_method_handler(
-                    self._rpc(handler),
-                    request_deserializer=MESSAGES[name][0].FromString,
-                    response_serializer=MESSAGES[name][1].SerializeToString,
-                )
-                for name, handler in self._handlers.items()
-            }
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, rpcs),))
-            host = node_host()
-            port = server.add_insecure_port(f"{host}:0")
-            await server.start()
-            self._server, self._address = server, f"{host}:{port}"
-            log.info("direct calls served on %s", self._address)
+        async with self._starting:  # concurrent first leases start one server
+            if self._address is None:
+                server = grpc.aio.server(options=_OPTIONS)
+                rpcs = {
+                    name: grpc.unary_unary_rpc_method_handler(
+                        self._rpc(handler),
+                        request_deserializer=MESSAGES[name][0].FromString,
+                        response_serializer=MESSAGES[name][1].SerializeToString,
+                    )
+                    for name, handler in self._handlers.items()
+                }
+                generic = grpc.method_handlers_generic_handler(SERVICE, rpcs)
+                server.add_generic_rpc_handlers((generic,))
+                host = await asyncio.to_thread(node_host)
+                bound = f"[{host}]" if ":" in host else host
+                port = server.add_insecure_port(f"{bound}:0")
+                await server.start()
+                self._server, self._address = server, f"{bound}:{port}"
+                log.info("direct calls served on %s", self._address)
         return self._address
 
     def _rpc(self, handler):
+        secret = self._secret.encode()
+
         async def rpc(request, context: grpc.aio.ServicerContext):
-            if dict(context.invocation_metadata()).get(SECRET_HEADER) != self._secret:
+            sent = dict(context.invocation_metadata()).get(SECRET_HEADER, "")
+            if not hmac.compare_digest(sent.encode(), secret):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no lease for this replica")
             response = await handler(request)
             self.served += 1
@@ -203,12 +251,15 @@ class SessionLeases:
         call = self._channels.call(address, method)
         try:
             response = await call(request, timeout=timeout, metadata=((SECRET_HEADER, secret),))
-        except grpc.aio.AioRpcError as err:
-            self._drop(side)
+        except Exception as err:  # noqa: BLE001 - any failure: this side goes through Serve
+            self._drop(side, backoff=True)
             self.fallbacks += 1
-            if method == "propose" and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            timed_out = isinstance(err, grpc.aio.AioRpcError) and (
+                err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+            if method == "propose" and timed_out:
                 raise asyncio.TimeoutError from err
-            log.info("direct %s to %s failed (%s); through Serve", method, address, err.code())
+            log.info("direct %s to %s failed (%r); through Serve", method, address, err)
             return None
         self.direct += 1
         return response
@@ -229,17 +280,19 @@ class SessionLeases:
         stream = handle.options(stream=True).lease.remote(self._session_id)
         self._streams[side] = stream
         try:
-            first = await asyncio.wait_for(stream.__anext__(), timeout)
+            first = await asyncio.wait_for(stream.__anext__(), min(timeout, LEASE_OPEN_S))
+            address, secret = first.split(" ", 1)  # "" (no lease for this session) raises
         except Exception as err:  # noqa: BLE001 - any failure: this side goes through Serve
-            log.info("lease on %s failed (%r); through Serve", handle.deployment_name, err)
-            self._drop(side)
-            self._retry_at[side] = time.monotonic() + LEASE_RETRY_S
+            log.debug("no lease on %s (%r); through Serve", handle.deployment_name, err)
+            self._drop(side, backoff=True)
             return None
-        address, secret = first.split(" ", 1)
         self._leases[side] = (address, secret)
         return address, secret
 
-    def _drop(self, side: str) -> None:
+    def _drop(self, side: str, backoff: bool = False) -> None:
+        """Ends the side's lease; with ``backoff``, its calls go through Serve for a while."""
+        if backoff:
+            self._retry_at[side] = time.monotonic() + LEASE_RETRY_S
         self._leases.pop(side, None)
         stream = self._streams.pop(side, None)
         if stream is not None:

@@ -129,11 +129,12 @@ class HandleTransport:
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         response = None
+        began = asyncio.get_running_loop().time()
         if self._leases is not None:
             timeout = self._service.call_timeout_s
             response = await self._leases.call("target", self._target, "verify", request, timeout)
-        if response is None:
-            response = await self._call("verify", request)
+        if response is None:  # a failed direct attempt counts against unavailable_after_s
+            response = await self._call("verify", request, began)
         self._target_answered = True
         return response
 
@@ -175,13 +176,14 @@ class HandleTransport:
                 err,
             )
 
-    async def _call(self, method: str, request):
-        """A target call, retried as the class says."""
+    async def _call(self, method: str, request, began: float):
+        """A target call, retried as the class says, until ``unavailable_after_s`` after
+        ``began`` (the event loop's clock)."""
         handle = self._target
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self._service.unavailable_after_s
+        give_up = began + self._service.unavailable_after_s
         delay = 0.05
-        timeout = self._service.call_timeout_s
+        timeout = min(self._service.call_timeout_s, max(give_up - loop.time(), delay))
         # A request no replica has answered is refused once a count since this call began
         # finds none running (the class docstring says why only such a request).
         refuse_since = self._since() if not self._target_answered else None

@@ -47,9 +47,9 @@ class ServiceConfig(Section):
     """A session's propose and verify calls go over a gRPC channel straight to the replica that
     holds its cache (specdec.deployments.direct), not through Serve's handle path each round:
     about a millisecond less a call. Serve still places each session (a lease, one ongoing
-    request on its replica for the session's life: autoscaling, `max_ongoing_requests` and
-    draining count sessions, not calls); a direct call that fails goes through Serve instead.
-    Off by default while it is new."""
+    request on its replica for the session's life, for up to `max_batch_size` sessions a
+    replica: autoscaling and draining count them); a direct call that fails goes through Serve
+    instead. Off by default while it is new."""
 
     draft_retry_s: float = 1.0
     """Seconds from a draft failure to the router's first check that a draft replica answers

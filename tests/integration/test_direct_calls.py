@@ -108,3 +108,24 @@ def test_killed_target_replica_mid_request_gives_identical_output(client, refere
     """A direct call to a killed replica fails; the call goes through Serve to the other
     replica, which rebuilds the session: every output still equals the target alone."""
     streams_survive_a_killed_target(client, reference)
+
+
+def test_leases_stop_at_a_batch_of_sessions_a_replica(client):
+    """A replica grants leases to at most max_batch_size sessions (8): the next session's lease
+    answers "" at once (its calls go through Serve), and so does the lease of a session it
+    already released."""
+    leases = [
+        handle("DraftModel", f"cap-{i}").options(stream=True).lease.remote(f"cap-{i}")
+        for i in range(9)
+    ]
+    firsts = [next(iter(lease)) for lease in leases]  # sent together: any one is refused
+    assert sorted(first == "" for first in firsts) == [False] * 8 + [True], firsts
+    granted = next(f"cap-{i}" for i, first in enumerate(firsts) if first)
+    handle("DraftModel", granted).release.remote(
+        worker_pb2.ReleaseRequest(session_id=granted)
+    ).result()
+    late = handle("DraftModel", granted).options(stream=True).lease.remote(granted)
+    assert next(iter(late)) == ""
+    for lease in leases:
+        lease.cancel()
+    wait_until(lambda: _direct_stats("DraftModel")["leases"] == 0, timeout_s=30)
