@@ -55,10 +55,8 @@ def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
     # the call is submitted again each time, as the same (arrival, request), and returns the
     # response of the batch that ran it.
     import asyncio
-    import types
 
     from specdec.deployments.model_replica import ModelReplica
-    from specdec.worker.compute_health import ComputeWatchdog
     from specdec.worker.session import DEFERRED
 
     answers, seen = [DEFERRED, DEFERRED, "response"], []
@@ -67,7 +65,65 @@ def test_a_deferred_call_joins_the_next_batch_with_its_arrival_time():
         seen.append(item)
         return answers[len(seen) - 1]
 
-    replica = types.SimpleNamespace(_watchdog=ComputeWatchdog(300, 3))  # a healthy one
-    result = asyncio.run(ModelReplica._batched(replica, batched, "request"))
+    replica = _replica(batches_running=1)  # a batch runs: the call queues for the next
+    request = _request("s")
+    result = asyncio.run(ModelReplica._batched(replica, batched, request))
     assert result == "response"
-    assert len(seen) == 3 and seen[0] is seen[1] is seen[2] and seen[0][1] == "request"
+    assert len(seen) == 3 and seen[0] is seen[1] is seen[2] and seen[0][1] is request
+
+
+def _request(session_id):
+    import types
+
+    return types.SimpleNamespace(session=types.SimpleNamespace(session_id=session_id))
+
+
+def _replica(batches_running=0, active=()):
+    """A stand-in ModelReplica for _batched: a healthy watchdog, a sizer that saw ``active``
+    sessions, and a _compute_batch that answers "alone"."""
+    import types
+
+    from specdec.worker.compute_health import ComputeWatchdog
+
+    sizer = BatchSizer(max_batch_size=8, wait_fraction=0.5)
+    sizer.observe(active, 0.01)
+    ran = []
+
+    async def compute_batch(method, fn, arrivals):
+        ran.append((method, arrivals))
+        return ["alone"] * len(arrivals)
+
+    return types.SimpleNamespace(
+        _watchdog=ComputeWatchdog(300, 3),
+        _direct=types.SimpleNamespace(called=lambda session_id: None),
+        _batches_running=batches_running,
+        _sizer=sizer,
+        _alone=("verify", None),
+        _compute_batch=compute_batch,
+        ran=ran,
+    )
+
+
+@pytest.mark.parametrize(
+    "batches_running, active, alone",
+    [(0, (), True), (0, ("s",), True), (0, ("s", "t"), False), (1, ("s",), False)],
+)
+def test_a_call_runs_alone_only_when_nothing_else_could_share_its_batch(
+    batches_running, active, alone
+):
+    """No batch running and at most one session active lately: the call runs as a batch of
+    one at once; otherwise it queues in serve.batch to share a batch."""
+    import asyncio
+
+    from specdec.deployments.model_replica import ModelReplica
+
+    queued = []
+
+    async def batched(item):
+        queued.append(item)
+        return "batched"
+
+    replica = _replica(batches_running, active)
+    result = asyncio.run(ModelReplica._batched(replica, batched, _request("s")))
+    assert result == ("alone" if alone else "batched")
+    assert len(replica.ran) == int(alone) and len(queued) == int(not alone)
