@@ -32,7 +32,8 @@ import yaml
 from conftest import write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import serving
-from test_serving import _scrape_metrics, _wait_until
+from serve_state import wait_until as _wait_until
+from test_serving import _scrape_metrics
 
 from specdec.client import SpecdecClient, build_request
 from specdec.models.tiny import PROMPTS

@@ -6,7 +6,7 @@ import time
 
 import grpc
 import pytest
-from test_serving import _cache_stats_per_replica
+from serve_state import cache_stats_per_replica as _cache_stats_per_replica
 
 from specdec.client import build_request
 from specdec.models.tiny import PROMPTS

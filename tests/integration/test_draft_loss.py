@@ -24,8 +24,11 @@ import time
 
 import openai
 import pytest
+from serve_state import cache_stats_per_replica as _cache_stats_per_replica
+from serve_state import running_replicas as _replicas
+from serve_state import wait_until as _wait_until
 from test_openai_api import http_base_url
-from test_serving import _cache_stats_per_replica, _replicas, _scrape_metrics, _wait_until
+from test_serving import _scrape_metrics
 
 from specdec.client import build_request
 from specdec.cluster.faults import kill_node, restart_node

@@ -20,7 +20,10 @@ import concurrent.futures
 from array import array
 
 import pytest
-from test_serving import _cache_stats_per_replica, _kill, _replicas, _wait_until
+from serve_state import cache_stats_per_replica as _cache_stats_per_replica
+from serve_state import kill as _kill
+from serve_state import running_replicas as _replicas
+from serve_state import wait_until as _wait_until
 from width_sets import service_env, set_of
 
 from specdec.client import build_request

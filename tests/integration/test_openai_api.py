@@ -10,7 +10,9 @@ import urllib.request
 
 import openai
 import pytest
-from test_serving import K_MAX, _all_caches_empty, _scrape_metrics, _wait_until
+from serve_state import all_caches_empty as _all_caches_empty
+from serve_state import wait_until as _wait_until
+from test_serving import K_MAX, _scrape_metrics
 
 from specdec.client import build_request
 from specdec.config import APPLICATION
