@@ -43,12 +43,10 @@ MESSAGES = {
     "verify": (worker_pb2.VerifyRequest, worker_pb2.VerifyResponse),
 }
 LEASE_OPEN_S = 2.0  # the longest wait for a lease's first message
-LEASE_RETRY_S = (
-    5.0  # after a lease or a direct call failed, the side's calls go via Serve this long
-)
-RELEASED_KEEP_S = (
-    60.0  # how long a replica remembers a released session (a late lease ends at once)
-)
+# After a lease or a direct call failed, the side's calls go through Serve this long.
+LEASE_RETRY_S = 5.0
+# How long a replica remembers a released session (a late lease of it ends at once).
+RELEASED_KEEP_S = 60.0
 _OPTIONS = [
     ("grpc.max_send_message_length", RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH),
     ("grpc.max_receive_message_length", RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH),
@@ -92,7 +90,7 @@ class DirectServer:
         self._idle_s = idle_s
         self._max_sessions = max_sessions
         self._secret = secrets.token_hex(16)
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.aio.Server | None = None  # held: a collected server shuts down
         self._starting = asyncio.Lock()
         self._address: str | None = None
         self._sessions: dict[str, _Session] = {}
@@ -231,8 +229,6 @@ class SessionLeases:
         self._streams: dict[str, object] = {}  # side -> the lease's Serve response stream
         self._called: set[str] = set()
         self._retry_at: dict[str, float] = {}
-        self.direct = 0  # calls answered over a lease
-        self.fallbacks = 0  # direct calls that failed (sent through Serve instead)
 
     async def call(self, side: str, handle: DeploymentHandle, method: str, request, timeout: float):
         """``method``'s response over the session's lease on ``side``, or None: the caller
@@ -253,7 +249,6 @@ class SessionLeases:
             response = await call(request, timeout=timeout, metadata=((SECRET_HEADER, secret),))
         except Exception as err:  # noqa: BLE001 - any failure: this side goes through Serve
             self._drop(side, backoff=True)
-            self.fallbacks += 1
             timed_out = isinstance(err, grpc.aio.AioRpcError) and (
                 err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             )
@@ -261,7 +256,6 @@ class SessionLeases:
                 raise asyncio.TimeoutError from err
             log.info("direct %s to %s failed (%r); through Serve", method, address, err)
             return None
-        self.direct += 1
         return response
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ class DraftModel(ModelReplica):
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(proposer_class(config), "draft", config)
         self._size_batches(self._propose_batch, config, "propose", self.side.propose_batch)
-        self._serve_directly(propose=self.propose)
+        self._serve_directly(config, propose=self.propose)
 
     async def propose(self, request: worker_pb2.ProposeRequest) -> worker_pb2.ProposeResponse:
         """One session's draft, stepped together with the calls that arrived with it."""

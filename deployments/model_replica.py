@@ -83,8 +83,6 @@ class ModelReplica:
             self._simulate(side, config)
         self._metrics = ReplicaMetrics()
         self._batches_running = 0  # _compute_batch calls not yet returned
-        self._direct_limits = (config.models.cache_idle_s, config.models.max_batch_size)
-        self._direct = DirectServer({}, *self._direct_limits)
         self._watchdog = ComputeWatchdog(
             config.models.stuck_forward_s, config.models.max_forward_failures
         )
@@ -119,10 +117,12 @@ class ModelReplica:
         self._sizer = BatchSizer(config.models.max_batch_size, config.models.batch_wait_fraction)
         self._resize_batches()
 
-    def _serve_directly(self, **handlers) -> None:
+    def _serve_directly(self, config: SpecdecConfig, **handlers) -> None:
         """The calls (name in specdec.deployments.direct.MESSAGES -> this replica's coroutine)
-        that a lease's holder may send over the direct path (service.direct_calls)."""
-        self._direct = DirectServer(handlers, *self._direct_limits)
+        that a lease's holder may send over the direct path (service.direct_calls). Every
+        deployment calls it once from its constructor."""
+        models = config.models
+        self._direct = DirectServer(handlers, models.cache_idle_s, models.max_batch_size)
 
     async def lease(self, session_id: str) -> AsyncIterator[str]:
         """Serve streaming method: a session's lease on this replica's direct endpoint

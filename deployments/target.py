@@ -27,7 +27,7 @@ class TargetModel(ModelReplica):
     def __init__(self, config: SpecdecConfig) -> None:
         super().__init__(verifier_class(config), "target", config)
         self._size_batches(self._verify_batch, config, "verify", self.side.verify_batch)
-        self._serve_directly(verify=self.verify)
+        self._serve_directly(config, verify=self.verify)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
         """One session's verify, run in a batch with the calls that arrived with it.

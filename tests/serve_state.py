@@ -32,17 +32,24 @@ def handle(deployment, session_id=None):
     return bound.options(session_id=session_id) if session_id else bound
 
 
-def cache_stats_per_replica(deployment):
-    """{replica_id: CacheStats}, reaching each replica through a session key that hashes to it."""
-    stats = {}
+def per_replica(deployment, method):
+    """{replica_id: (probe session, what ``method`` answered)} for ``deployment``'s RUNNING
+    replicas, reaching each through a session key that hashes to it (those reached in 200
+    tries)."""
+    answers = {}
     for i in range(200):
         probe = handle(deployment, f"probe-{i}")
         replica = probe.replica_id.remote().result()
-        if replica not in stats:
-            stats[replica] = (f"probe-{i}", probe.cache_stats.remote().result())
-        if len(stats) == len(running_replicas(deployment)):
+        if replica not in answers:
+            answers[replica] = (f"probe-{i}", getattr(probe, method).remote().result())
+        if len(answers) == len(running_replicas(deployment)):
             break
-    return stats
+    return answers
+
+
+def cache_stats_per_replica(deployment):
+    """{replica_id: (probe session, CacheStats)} (see per_replica)."""
+    return per_replica(deployment, "cache_stats")
 
 
 def all_caches_empty():

@@ -10,6 +10,7 @@ import pytest
 from serve_state import (
     all_caches_empty,
     handle,
+    per_replica,
     running_replicas,
     streams_survive_a_killed_target,
     wait_until,
@@ -32,17 +33,9 @@ def client(tmp_path_factory, tiny_service):
 
 def _direct_stats(deployment):
     """{"served": ..., "leases": ...} summed over ``deployment``'s RUNNING replicas."""
-    seen, total = set(), {"served": 0, "leases": 0}
-    for i in range(200):
-        probe = handle(deployment, f"probe-{i}")
-        replica = probe.replica_id.remote().result()
-        if replica not in seen:
-            seen.add(replica)
-            for key, value in probe.direct_stats.remote().result().items():
-                total[key] += value
-        if len(seen) == len(running_replicas(deployment)):
-            return total
-    raise AssertionError(f"no probe session reached every {deployment} replica")
+    answers = per_replica(deployment, "direct_stats")
+    assert len(answers) == len(running_replicas(deployment)), "a replica no probe reached"
+    return {key: sum(stats[key] for _, stats in answers.values()) for key in ("served", "leases")}
 
 
 def test_greedy_output_over_direct_calls_equals_the_target_alone(client, reference):
