@@ -48,7 +48,7 @@ def test_the_target_pads_to_several_widths_of_one_set(half_service):
     calibration = half_service.model_info().target_calibration
     assert calibration.dtype == DTYPE
     widths = list(calibration.exact_widths)
-    assert len(widths) > 1
+    assert len(widths) > 1, calibration  # its candidates' costs tell a lost set from noise
     assert len({set_of(w) for w in widths}) == 1
 
 

@@ -19,7 +19,7 @@ from specdec.worker.info import replica_info
 from specdec.worker.proposer import DraftProposer
 from specdec.worker.verifier import TargetVerifier
 
-TARGET_S = (0.1, 0.2, 0.25, 0.4)  # forward_s by width 1..4
+TARGET_S = (0.1, 0.2, 0.25, 0.3)  # forward_s by width 1..4
 DRAFT_S = (0.05, 0.06, 0.07, 0.08)
 
 
@@ -41,8 +41,9 @@ CONFIG = SpecdecConfig.of(max_speculative_tokens=3, max_batch_size=2)
 def test_the_prior_prices_rows_in_the_targets_exact_widths_and_the_drafts_own_forwards():
     target = cost_table(CALIBRATIONS["target"], CONFIG)
     draft = cost_table(CALIBRATIONS["draft"], CONFIG)
-    # Rows padded to width 1 or 4, past 4 in chunks of 4: 5 rows = 4 + 1, 6-8 rows = 4 + 4.
-    rows_s = [0.1, 0.4, 0.4, 0.4, 0.5, 0.8, 0.8, 0.8]
+    # The cheapest cover by forwards of width 1 or 4: 2 rows as 1 + 1, 3 and 4 rows padded to 4,
+    # 5 rows as 4 + 1, 6 as 4 + 1 + 1, 7 and 8 as 4 + 4.
+    rows_s = [0.1, 0.2, 0.3, 0.3, 0.4, 0.5, 0.6, 0.6]
     assert list(target.rows_s) == pytest.approx(rows_s)
     assert list(target.forward_s) == list(TARGET_S)
     prior = CostPrior.of(target, draft, CONFIG)

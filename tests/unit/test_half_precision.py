@@ -120,6 +120,26 @@ def test_exact_widths_pad_to_the_cheapest_width_and_chunk_past_the_widest():
         ExactWidths((2,), costs).width_for(3)
 
 
+def test_exact_widths_cover_rows_at_the_least_cost():
+    from specdec.device.calibration.results import ExactWidths
+
+    # Widest-first would run 6 rows as 5 + 1 (padded to 3): 5.5 + 3; two forwards of 3 cost 6.
+    exact = ExactWidths((3, 5), (1.0, 1.0, 3.0, 3.0, 5.5))
+    assert exact.chunks(6) == [(3, 3), (3, 3)]
+    assert exact.rows_seconds(7) == 8.5  # 5 + 3 rows, against three 3-row forwards' 9
+    assert exact.chunks(7)[0][0] == exact.chunks(7)[0][1]  # the padded forward last
+    # A set is never priced above one of its own widths alone, whatever the (noisy) costs.
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        costs = tuple((1 + torch.rand(17, generator=generator)).cumsum(0).tolist())
+        whole = ExactWidths(tuple(range(11, 18)), costs)
+        for width in whole.widths:
+            alone = ExactWidths((width,), costs)
+            for rows in range(1, 70):
+                assert whole.rows_seconds(rows) <= alone.rows_seconds(rows)
+                assert sum(real for real, _ in whole.chunks(rows)) == rows
+
+
 @pytest.fixture(params=["one-width", "width-sets"])
 def half_engine(request):
     """The tiny pair in bfloat16: as calibrated (one exact width) and with a target whose exact

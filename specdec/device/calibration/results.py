@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from specdec.device.calibration.candidates import Candidate
 
@@ -14,8 +15,8 @@ class ExactWidths:
     """Widths whose forwards give every row bitwise the same result, and their costs.
 
     Attributes:
-        widths: ascending; a decode forward of n rows is padded to width_for(n), or split into
-            forwards of these widths when n exceeds the largest.
+        widths: ascending; a decode forward of n rows runs as chunks(n): forwards of these
+            widths, the last one padded.
         forward_s: forward_s[w - 1] = measured seconds of a w-position forward.
     """
 
@@ -30,14 +31,19 @@ class ExactWidths:
         return min(fits, key=lambda w: (self.cost(w), w))
 
     def chunks(self, rows: int) -> list[tuple[int, int]]:
-        """[(real rows, padded width)] covering ``rows`` rows: full forwards of the widest width,
-        then the cheapest width for the rest."""
-        widest, out = self.widths[-1], []
-        while rows > widest:
-            out.append((widest, widest))
-            rows -= widest
-        out.append((rows, self.width_for(rows)))
-        return out
+        """[(real rows, padded width)] covering ``rows`` rows at the least predicted cost: full
+        forwards first, the one padded forward last.
+
+        A minimum-cost cover (a small unbounded knapsack over the widths, _cheapest_cover)
+        rather than greedy widest-first: with costs linear in the width, 28 rows as 17 + 11 and
+        as 14 + 14 cost the same, so a set's greedy split could price it above one of its own
+        widths alone, and timing noise then made the calibration keep that single width
+        (stop 58's CI: a [11 .. 17] set lost to 14). Every width of a set gives a row the same
+        result, so any cover is exact; the cheapest one makes a set never dearer than a subset.
+        """
+        if rows <= 0:
+            return []
+        return list(_cheapest_cover(self, rows))
 
     def cost(self, width: int) -> float:
         if width <= len(self.forward_s):
@@ -47,6 +53,26 @@ class ExactWidths:
     def rows_seconds(self, rows: int) -> float:
         """Predicted seconds to run ``rows`` rows through chunks()."""
         return sum(self.cost(width) for _, width in self.chunks(rows))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_cover(exact: ExactWidths, rows: int) -> tuple[tuple[int, int], ...]:
+    """ExactWidths.chunks: best[n] is the least cost of n rows, a forward of width w taking
+    min(w, n) of them (taking fewer never helps: best is non-decreasing in n). O(rows x widths),
+    once per (widths, costs, rows): the verifier asks for the same few row counts every round."""
+    best, last = [0.0] + [float("inf")] * rows, [0] * (rows + 1)
+    for n in range(1, rows + 1):
+        for width in reversed(exact.widths):  # on a tie, the wider: fewer forwards
+            cost = exact.cost(width) + best[max(n - width, 0)]
+            if cost < best[n]:
+                best[n], last[n] = cost, width
+    out = []
+    while rows > 0:
+        width = last[rows]
+        out.append((min(width, rows), width))
+        rows -= min(width, rows)
+    # The widest first and the padded one last, as the verifiers crop that one's padding.
+    return tuple(sorted(out, key=lambda chunk: (chunk[0] < chunk[1], -chunk[1])))
 
 
 @dataclasses.dataclass(frozen=True)
