@@ -20,6 +20,7 @@ own error. A later call leases again. A propose past its timeout raises, as thro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
@@ -174,7 +175,10 @@ class DirectServer:
             sent = dict(context.invocation_metadata()).get(SECRET_HEADER, "")
             if not hmac.compare_digest(sent.encode(), secret):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no lease for this replica")
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except ValueError as err:  # the call's own input: through Serve it fails again
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             self.served += 1
             return response
 
@@ -191,10 +195,24 @@ def node_host() -> str:
 
 class Channels:
     """The router's channels to replicas' direct endpoints, one per address, opened on first
-    use on the router's event loop and kept for its life."""
+    use on the router's event loop and closed once a call finds that replica gone (forget):
+    replicas come and go with autoscaling, and each channel holds a socket and reconnects."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Future] = set()  # held until closed (asyncio keeps weak refs)
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def forget(self, address: str) -> None:
+        """Closes the channel to ``address`` (its calls in flight fail; a later call opens a
+        new one)."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            closing = asyncio.ensure_future(channel.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def call(self, address: str, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
         channel = self._channels.get(address)
@@ -229,6 +247,8 @@ class SessionLeases:
         self._streams: dict[str, object] = {}  # side -> the lease's Serve response stream
         self._called: set[str] = set()
         self._retry_at: dict[str, float] = {}
+        # Per side: direct calls and lease openings that failed (the call went through Serve).
+        self.failures: collections.Counter[str] = collections.Counter()
 
     async def call(self, side: str, handle: DeploymentHandle, method: str, request, timeout: float):
         """``method``'s response over the session's lease on ``side``, or None: the caller
@@ -247,12 +267,15 @@ class SessionLeases:
         call = self._channels.call(address, method)
         try:
             response = await call(request, timeout=timeout, metadata=((SECRET_HEADER, secret),))
-        except Exception as err:  # noqa: BLE001 - any failure: this side goes through Serve
+        except Exception as err:  # noqa: BLE001 - any other failure: the side goes through Serve
+            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:  # the replica refused the call's input
+                raise ValueError(err.details()) from err
             self._drop(side, backoff=True)
-            timed_out = isinstance(err, grpc.aio.AioRpcError) and (
-                err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            )
-            if method == "propose" and timed_out:
+            self.failures[side] += 1
+            if code == grpc.StatusCode.UNAVAILABLE:  # the replica is gone (or going)
+                self._channels.forget(address)
+            if method == "propose" and code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise asyncio.TimeoutError from err
             log.info("direct %s to %s failed (%r); through Serve", method, address, err)
             return None
@@ -275,11 +298,14 @@ class SessionLeases:
         self._streams[side] = stream
         try:
             first = await asyncio.wait_for(stream.__anext__(), min(timeout, LEASE_OPEN_S))
-            address, secret = first.split(" ", 1)  # "" (no lease for this session) raises
         except Exception as err:  # noqa: BLE001 - any failure: this side goes through Serve
             log.debug("no lease on %s (%r); through Serve", handle.deployment_name, err)
+            self.failures[side] += 1
+            first = ""
+        if not first:  # failed, or refused: the replica's sessions with leases are a batch
             self._drop(side, backoff=True)
             return None
+        address, secret = first.split(" ", 1)
         self._leases[side] = (address, secret)
         return address, secret
 

@@ -15,10 +15,16 @@ proposer's tokens; ``specdec_proposed_tokens`` and ``specdec_proposed_accepted_t
 by the tag ``proposer`` (``draft``: the draft model, ``ngram``: n-gram lookup in the router),
 ``specdec_ngram_rounds`` counts the decode rounds n-gram lookup proposed, and
 ``specdec_mixed_rounds`` those that verified lookup's tokens after the draft model's.
+``specdec_overlapped_rounds`` and ``specdec_wasted_draft_tokens`` count pipelined drafting's
+overlap and its waste; ``specdec_replica_calls`` splits the propose and verify calls by path
+(``direct`` over a lease, ``serve`` through a handle) and ``specdec_direct_call_failures`` counts
+the direct calls that fell back to Serve.
 k8s/monitoring/grafana-dashboard.json plots them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from ray.serve import metrics
 
@@ -104,6 +110,26 @@ class RouterMetrics:
             "Decode rounds that could not call the draft model because the draft side was "
             "unavailable or failed (n-gram proposals where the text had a match, else k = 0).",
         )
+        self.overlapped_rounds = metrics.Counter(
+            "specdec_overlapped_rounds",
+            "Decode rounds whose draft tokens were drafted while the previous round verified "
+            "(speculation.pipelined_drafting).",
+        )
+        self.wasted_draft_tokens = metrics.Counter(
+            "specdec_wasted_draft_tokens",
+            "Tokens pipelined drafts drafted that no round verified (their guess was wrong).",
+        )
+        self.replica_calls = metrics.Counter(
+            "specdec_replica_calls",
+            "Propose (side draft) and verify (side target) calls by `path`: direct, over the "
+            "session's lease (service.direct_calls), or serve, through a Serve handle.",
+            tag_keys=("side", "path"),
+        )
+        self.direct_call_failures = metrics.Counter(
+            "specdec_direct_call_failures",
+            "Direct calls and lease openings on `side` that failed; the call went through Serve.",
+            tag_keys=("side",),
+        )
         self.draft_available = metrics.Gauge(
             "specdec_draft_available",
             "1 while this router calls the draft side, 0 while it runs rounds on the target "
@@ -150,6 +176,8 @@ class RouterMetrics:
             (self.rounds_without_draft, stats.rounds_without_draft),
             (self.ngram_rounds, stats.ngram_rounds),
             (self.mixed_rounds, stats.mixed_rounds),
+            (self.overlapped_rounds, stats.overlapped_rounds),
+            (self.wasted_draft_tokens, stats.wasted_draft_tokens),
         ):
             _add(counter, value)
         for proposer, proposed, accepted in (
@@ -179,6 +207,15 @@ class RouterMetrics:
                 self.round_latency.observe(seconds, tags={"part": part})
         self.ttft.observe(stats.ttft_s)
         self.request_latency.observe(latency_s)
+
+    def record_calls(
+        self, paths: Mapping[tuple[str, str], int], failures: Mapping[str, int]
+    ) -> None:
+        """Adds one request's calls: {(side, path): calls} and {side: failed direct calls}."""
+        for (side, path), calls in paths.items():
+            _add(self.replica_calls, calls, {"side": side, "path": path})
+        for side, failed in failures.items():
+            _add(self.direct_call_failures, failed, {"side": side})
 
 
 class ReplicaMetrics:

@@ -12,6 +12,7 @@ per-replica gRPC transport (``_by_reference=False``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -105,12 +106,16 @@ class HandleTransport:
         service: ServiceConfig,
         replicas: health.ReplicaCounts | None = None,
         channels: Channels | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._draft = draft.options(session_id=session_id)
         self._target = target.options(session_id=session_id)
         self._service = service
         # service.direct_calls: rounds over leases, Serve when a lease cannot carry a call.
         self._leases = SessionLeases(session_id, channels) if channels is not None else None
+        # (side, path) -> propose and verify calls, added to ``metrics`` at the release.
+        self._paths: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._metrics = metrics
         self._replicas = replicas
         self._target_answered = False
 
@@ -124,7 +129,9 @@ class HandleTransport:
         if self._leases is not None:
             response = await self._leases.call("draft", self._draft, "propose", request, timeout)
             if response is not None:
+                self._paths["draft", "direct"] += 1
                 return response
+        self._paths["draft", "serve"] += 1
         return await asyncio.wait_for(self._draft.propose.remote(request), timeout)
 
     async def verify(self, request: worker_pb2.VerifyRequest) -> worker_pb2.VerifyResponse:
@@ -134,7 +141,10 @@ class HandleTransport:
             timeout = self._service.call_timeout_s
             response = await self._leases.call("target", self._target, "verify", request, timeout)
         if response is None:  # a failed direct attempt counts against unavailable_after_s
+            self._paths["target", "serve"] += 1
             response = await self._call("verify", request, began)
+        else:
+            self._paths["target", "direct"] += 1
         self._target_answered = True
         return response
 
@@ -145,6 +155,10 @@ class HandleTransport:
         until a draft replica exists, and every request then ended call_timeout_s late (120 s
         as shipped on the local cluster). A draft replica that never receives it frees the
         session once it idles `cache_idle_s`."""
+        if self._metrics is not None:
+            failures = self._leases.failures if self._leases is not None else {}
+            self._metrics.record_calls(self._paths, failures)
+            self._paths.clear()
         if self._leases is not None:
             self._leases.close()
         request = worker_pb2.ReleaseRequest(session_id=session_id)
@@ -473,6 +487,7 @@ class SpeculativeRouter(OpenAIRoutes, HealthRoutes):
             self.config.service,
             self._replicas,
             self._channels,
+            self.metrics,
         )
         return RoundLoop(
             transport,

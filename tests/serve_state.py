@@ -1,10 +1,12 @@
 """What the running Serve application holds, for integration tests: its RUNNING replicas, a
-handle bound to a session, each replica's cache, and a replica to kill."""
+handle bound to a session, each replica's cache, its exported metrics, and a replica to kill."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
+import urllib.request
 
 from specdec.client import build_request
 from specdec.config import APPLICATION as APP
@@ -99,3 +101,31 @@ def streams_survive_a_killed_target(client, reference, n=200):
         assert tokens == reference(prompt, n)
     survivors = cache_stats_per_replica("TargetModel")
     assert sum(s.rebuilds for _, s in survivors.values()) >= 1
+
+
+def scrape_metrics() -> str:
+    """Every live node's Prometheus exposition (Ray's metrics agent), concatenated."""
+    import ray
+
+    text = ""
+    for node in ray.nodes():
+        if node["Alive"] and node.get("MetricsExportPort"):
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text += response.read().decode()
+    return text
+
+
+def exported_names(text: str) -> set[str]:
+    """Metric names of the samples in a Prometheus text exposition."""
+    return set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, flags=re.MULTILINE))
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for found, value in re.findall(rf"^{name}{{([^}}]*)}} (\S+)$", text, flags=re.MULTILINE):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', found))
+        if all(pairs.get(key) == want for key, want in labels.items()):
+            total += float(value)
+    return total

@@ -32,8 +32,8 @@ import yaml
 from conftest import write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import serving
+from serve_state import scrape_metrics
 from serve_state import wait_until as _wait_until
-from test_serving import _scrape_metrics
 
 from specdec.client import SpecdecClient, build_request
 from specdec.models.tiny import PROMPTS
@@ -396,7 +396,7 @@ def test_refusals_are_counted_and_metrics_stay_open(service):
     metrics port needs no key); the service still serves afterwards."""
 
     def refused_counted():
-        text = _scrape_metrics()
+        text = scrape_metrics()
         return all(
             any(
                 line.startswith("ray_specdec_requests_total{")

@@ -10,8 +10,10 @@ import pytest
 from serve_state import (
     all_caches_empty,
     handle,
+    metric_total,
     per_replica,
     running_replicas,
+    scrape_metrics,
     streams_survive_a_killed_target,
     wait_until,
 )
@@ -38,6 +40,10 @@ def _direct_stats(deployment):
     return {key: sum(stats[key] for _, stats in answers.values()) for key in ("served", "leases")}
 
 
+def _calls(name="ray_specdec_replica_calls_total", **labels):
+    return metric_total(scrape_metrics(), name, **labels)
+
+
 def test_greedy_output_over_direct_calls_equals_the_target_alone(client, reference):
     """Concurrent greedy requests at k = 0, 2 and auto equal the target alone, and both sides
     answered most of their calls directly (a session's first call of a side goes via Serve)."""
@@ -57,6 +63,11 @@ def test_greedy_output_over_direct_calls_equals_the_target_alone(client, referen
     # k = 2 alone makes 47 or fewer rounds a request; every one after the first is direct.
     assert after["TargetModel"] - before["TargetModel"] >= len(cases) * 10
     assert after["DraftModel"] - before["DraftModel"] >= 3
+    # The router's metrics split the calls by path: each session's first call of a side via
+    # Serve, the rest direct.
+    for side in ("draft", "target"):
+        for path in ("direct", "serve"):
+            wait_until(lambda s=side, p=path: _calls(side=s, path=p) > 0, timeout_s=60)
 
 
 def test_leases_end_with_their_requests(client):
@@ -94,13 +105,28 @@ def test_a_direct_call_needs_its_replicas_lease_secret(client):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # With the secret: answered (a session this replica never saw is a cache miss).
         assert verify(request, timeout=10, metadata=((SECRET_HEADER, secret),)).cache_miss
+        # A call the replica refuses for its input: INVALID_ARGUMENT naming the field (the
+        # router raises it as through Serve, instead of sending the call again via Serve).
+        bad = worker_pb2.VerifyRequest(
+            session=worker_pb2.SessionTokens(session_id="secret-probe", prefix_len=0)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            verify(bad, timeout=10, metadata=((SECRET_HEADER, secret),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "new_token_ids" in err.value.details()
     lease.cancel()
 
 
 def test_killed_target_replica_mid_request_gives_identical_output(client, reference):
     """A direct call to a killed replica fails; the call goes through Serve to the other
-    replica, which rebuilds the session: every output still equals the target alone."""
+    replica, which rebuilds the session: every output still equals the target alone, and
+    the router counts the failed direct calls."""
+    failed = _calls("ray_specdec_direct_call_failures_total", side="target")
     streams_survive_a_killed_target(client, reference)
+    wait_until(
+        lambda: _calls("ray_specdec_direct_call_failures_total", side="target") > failed,
+        timeout_s=60,
+    )
 
 
 def test_leases_stop_at_a_batch_of_sessions_a_replica(client):

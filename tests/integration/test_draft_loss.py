@@ -26,9 +26,9 @@ import openai
 import pytest
 from serve_state import cache_stats_per_replica as _cache_stats_per_replica
 from serve_state import running_replicas as _replicas
+from serve_state import scrape_metrics
 from serve_state import wait_until as _wait_until
 from test_openai_api import http_base_url
-from test_serving import _scrape_metrics
 
 from specdec.client import build_request
 from specdec.cluster.faults import kill_node, restart_node
@@ -63,7 +63,7 @@ def _collect(stream, first):
 def _rounds_without_draft_exported() -> float:
     """The router's specdec_rounds_without_draft counter as Prometheus exports it (0 absent)."""
     total = 0.0
-    for line in _scrape_metrics().splitlines():
+    for line in scrape_metrics().splitlines():
         if line.startswith("ray_specdec_rounds_without_draft") and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -11,8 +11,9 @@ import urllib.request
 import openai
 import pytest
 from serve_state import all_caches_empty as _all_caches_empty
+from serve_state import scrape_metrics
 from serve_state import wait_until as _wait_until
-from test_serving import K_MAX, _scrape_metrics
+from test_serving import K_MAX
 
 from specdec.client import build_request
 from specdec.config import APPLICATION
@@ -382,7 +383,7 @@ def test_a_client_that_closes_a_stream_releases_both_caches(oai, model, endpoint
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
 
     def counted_cancelled():
-        lines = _scrape_metrics().splitlines()
+        lines = scrape_metrics().splitlines()
         return any(f'method="{path}"' in line and 'code="CANCELLED"' in line for line in lines)
 
     _wait_until(counted_cancelled, timeout_s=90)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import re
 import time
 import urllib.error
 import urllib.request
@@ -17,9 +16,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from local_service import LOCAL_CONFIG
 from serve_state import all_caches_empty as _all_caches_empty
+from serve_state import (
+    exported_names,
+    metric_total,
+    scrape_metrics,
+    streams_survive_a_killed_target,
+)
 from serve_state import handle as _handle
 from serve_state import running_replicas as _replicas
-from serve_state import streams_survive_a_killed_target
 from serve_state import wait_until as _wait_until
 
 from specdec.client import build_request
@@ -102,7 +106,7 @@ def test_concurrent_requests_share_verify_batches_and_stay_exact(client, referen
     # batches of more than one session), and every greedy output equals its solo k = 0 output.
     # `served` allows one prefill per batch: new prompts that arrive together wait for later
     # batches (whether they do is a race on the tiny pair: test_batching pins it down).
-    before = _verify_batch_counts(_scrape_metrics())
+    before = _verify_batch_counts(scrape_metrics())
     requests = [
         build_request(
             PROMPTS[i],
@@ -122,7 +126,7 @@ def test_concurrent_requests_share_verify_batches_and_stay_exact(client, referen
     deadline, shared = time.monotonic() + 60, 0.0
     while time.monotonic() < deadline and shared <= before[1]:
         time.sleep(2)
-        total, shared = _verify_batch_counts(_scrape_metrics())
+        total, shared = _verify_batch_counts(scrape_metrics())
     assert shared > before[1], "no verify batch held more than one session"
 
 
@@ -258,7 +262,7 @@ def _counted(text, method, code="CANCELLED"):
 
 
 def _stream_outcomes():
-    text = _scrape_metrics()
+    text = scrape_metrics()
     return _counted(text, "GenerateStream"), _counted(text, "GenerateStream", "OK")
 
 
@@ -289,7 +293,7 @@ def test_cancelled_stream_releases_both_caches(client):
 
 
 def test_deadline_is_deadline_exceeded_and_releases_the_session(client):
-    before = _counted(_scrape_metrics(), "Generate")
+    before = _counted(scrape_metrics(), "Generate")
     request = build_request(PROMPTS[3], max_new_tokens=230, num_speculative_tokens=1)
     with pytest.raises(grpc.RpcError) as err:
         client.generate(request, timeout_s=0.3)
@@ -297,32 +301,13 @@ def test_deadline_is_deadline_exceeded_and_releases_the_session(client):
     _wait_until(_all_caches_empty)
     # Released because the deadline stopped the rounds, not because the 230 tokens ran to
     # their end: the router counted the request as CANCELLED (the export lags by seconds).
-    _wait_until(lambda: _counted(_scrape_metrics(), "Generate") > before, timeout_s=90)
+    _wait_until(lambda: _counted(scrape_metrics(), "Generate") > before, timeout_s=90)
 
 
 def test_killed_target_replica_mid_request_gives_identical_output(client, reference):
     """Several concurrent greedy streams; the target replica holding sessions is killed; every
     request still finishes with the undisturbed output, rebuilt on the other replica."""
     streams_survive_a_killed_target(client, reference)
-
-
-def _scrape_metrics():
-    import urllib.request
-
-    import ray
-
-    text = ""
-    for node in ray.nodes():
-        if node["Alive"] and node.get("MetricsExportPort"):
-            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text += response.read().decode()
-    return text
-
-
-def _exported_names(text):
-    """Metric names of the samples in a Prometheus text exposition."""
-    return set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, flags=re.MULTILINE))
 
 
 def test_prometheus_metrics_are_exported(client):
@@ -348,19 +333,23 @@ def test_prometheus_metrics_are_exported(client):
         "ray_specdec_compute_seconds_bucket",
         "ray_specdec_proposed_tokens_total",
         "ray_specdec_proposed_accepted_tokens_total",
+        "ray_specdec_replica_calls_total",
         *sorted(dashboard.dashboard_metric_names()),
     ]
     exported: set[str] = set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not set(wanted) <= exported:
         time.sleep(2)
-        text = _scrape_metrics()
-        exported = _exported_names(text)
+        text = scrape_metrics()
+        exported = exported_names(text)
     missing = [name for name in wanted if name not in exported]
     assert not missing, missing
     assert 'part="orchestration"' in text and 'code="OK"' in text
     assert 'position="0"' in text
     assert 'proposer="draft"' in text  # k = 2 requests: the draft model proposed
+    # Without direct calls every propose and verify goes through Serve.
+    assert metric_total(text, "ray_specdec_replica_calls_total", side="target", path="serve") > 0
+    assert metric_total(text, "ray_specdec_replica_calls_total", path="direct") == 0
 
 
 def _probe_until(done, check, period_s=0.25):
