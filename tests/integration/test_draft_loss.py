@@ -14,7 +14,7 @@ once the node is back; then the draft node dies again and fresh requests answer 
 undisturbed latency plus SLACK_S, over gRPC and HTTP, with the same tokens. Last, on the same
 shipped config, the lone target replica crashes mid-request: Serve restarts it on its node and
 the streams a replica had answered wait for it and finish exact (the router refuses only
-requests no replica has answered, deployments/router.py HandleTransport).
+requests no replica has answered, deployments/transport.py HandleTransport).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ def test_a_finished_request_never_waits_for_the_draft_sides_release():
     """With the draft pool gone, a release sent to it is queued until a draft replica exists:
     the request's end must not wait for it (it waited call_timeout_s, 120 s as shipped)."""
     from specdec.config import ServiceConfig
-    from specdec.deployments.router import HandleTransport
+    from specdec.deployments.transport import HandleTransport
 
     draft, target = _Handle("DraftModel", answers=False), _Handle("TargetModel", answers=True)
     transport = HandleTransport(

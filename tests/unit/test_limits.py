@@ -145,11 +145,11 @@ def test_a_call_to_a_missing_replica_ends_within_unavailable_after():
     """A handle call that never answers (Serve queues it while no replica exists) is retried
     and the request gives up by unavailable_after_s, not call_timeout_s after it."""
     pytest.importorskip("ray")
-    from specdec.deployments import router
+    from specdec.deployments.transport import HandleTransport
 
     target = _NeverAnswers()
     service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=0.5)
-    transport = router.HandleTransport(_NeverAnswers(), target, "s", service)
+    transport = HandleTransport(_NeverAnswers(), target, "s", service)
     elapsed, message = _timed_verify(transport)
     assert len(target.calls) >= 2  # the timed-out call was retried
     assert elapsed < service.unavailable_after_s + service.call_timeout_s / 2
@@ -162,11 +162,12 @@ def test_a_new_request_is_refused_at_once_when_a_later_count_finds_no_target_rep
     taken after they began finds none RUNNING: the verify with ServiceUnavailable naming the
     deployment."""
     pytest.importorskip("ray")
-    from specdec.deployments import health, router
+    from specdec.deployments import health
+    from specdec.deployments.transport import HandleTransport
 
     replicas = health.ReplicaCounts(lambda: {"draft": 1, "target": 0}, max_age_s=0.0)
     service = ServiceConfig(call_timeout_s=120, unavailable_after_s=180)
-    transport = router.HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
+    transport = HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
     elapsed, message = _timed_verify(transport)
     assert elapsed < 3 and "no TargetModel replica is running" in message, (elapsed, message)
 
@@ -195,12 +196,13 @@ def test_a_request_a_replica_answered_waits_for_a_replacement():
     replica is running (one may restart and rebuild the session): they wait for their
     timeouts, here unavailable_after_s 1.5 s."""
     pytest.importorskip("ray")
-    from specdec.deployments import health, router
+    from specdec.deployments import health
+    from specdec.deployments.transport import HandleTransport
 
     replicas = health.ReplicaCounts(lambda: {"draft": 1, "target": 0}, max_age_s=0.0)
     service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=1.5)
     target = _AnswersOnce()
-    transport = router.HandleTransport(_NeverAnswers(), target, "s", service, replicas)
+    transport = HandleTransport(_NeverAnswers(), target, "s", service, replicas)
     asyncio.run(transport.verify(worker_pb2.VerifyRequest()))  # answered
     elapsed, message = _timed_verify(transport)
     assert "no replica answered within 1.5 s" in message and elapsed >= 1.0, (elapsed, message)
@@ -211,14 +213,15 @@ def test_a_count_from_before_the_call_never_ends_it():
     """A count of no target replica taken before the call began (a replica may have started
     since) does not end it: the call waits for its own timeouts."""
     pytest.importorskip("ray")
-    from specdec.deployments import health, router
+    from specdec.deployments import health
+    from specdec.deployments.transport import HandleTransport
 
     counts = {"draft": 1, "target": 0}
     replicas = health.ReplicaCounts(lambda: dict(counts), max_age_s=3600)
     asyncio.run(replicas.get(wait_s=5))  # counted once: no target replica
     counts["target"] = 1  # never counted again within max_age_s
     service = ServiceConfig(call_timeout_s=0.3, unavailable_after_s=1.5)
-    transport = router.HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
+    transport = HandleTransport(_NeverAnswers(), _NeverAnswers(), "s", service, replicas)
     elapsed, message = _timed_verify(transport)
     assert "no replica answered within 1.5 s" in message and elapsed >= 1.0, (elapsed, message)
 
