@@ -245,6 +245,11 @@ class ReplicaMetrics:
             "specdec_prefills_deferred",
             "Prefill calls a batch left to the next one (past models.batch_prefill_s).",
         )
+        self.prefill_chunks = metrics.Counter(
+            "specdec_prefill_chunks",
+            "Chunks of long prompts prefilled ahead of their last one "
+            "(models.prefill_chunk_tokens); other sessions' rows run between them.",
+        )
         self.batch_wait = metrics.Histogram(
             "specdec_batch_wait_seconds",
             "Seconds a call waited from its arrival to the start of its batch.",

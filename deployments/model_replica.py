@@ -23,7 +23,7 @@ from specdec.v1 import worker_pb2
 from specdec.worker.compute_health import ComputeWatchdog, forward_error
 from specdec.worker.faults import FAULT_DIR_ENV, install_faults
 from specdec.worker.info import replica_info
-from specdec.worker.session import DEFERRED, Deferred, SessionModel
+from specdec.worker.session import DEFERRED, PREFILLING, Deferred, SessionModel
 
 log = logging.getLogger("ray.serve")
 
@@ -143,8 +143,8 @@ class ModelReplica:
     async def _batched(self, batched, request):
         """One call: run alone when no batch runs and no other session called lately, else
         through the serve.batch method ``batched``; raises its own error. A call the batch
-        deferred (a prefill past its budget, SessionModel.run_batch) joins the next one,
-        keeping its arrival time.
+        deferred (a prefill past its budget, or a long prompt with chunks left to prefill:
+        SessionModel.run_batch) joins the next one, keeping its arrival time.
 
         Raises:
             ComputeUnhealthy: this replica's compute path is broken (stuck or failing,
@@ -159,11 +159,12 @@ class ModelReplica:
         arrival = (time.monotonic(), request)
         if self._batches_running == 0 and self._sizer.active() <= 1:
             # Nothing to batch with: serve.batch's queue would only cost its hand-offs (about
-            # 0.3 ms a call, measured). A batch of one is never deferred.
+            # 0.3 ms a call, measured). A batch of one is deferred only between the chunks of
+            # a long prompt, which then go through the queue, where other calls can join.
             [response] = await self._compute_batch(*self._alone, [arrival])
         else:
             response = await batched(arrival)
-        while response is DEFERRED:
+        while isinstance(response, Deferred):
             response = await batched(arrival)
         if isinstance(response, Exception):
             raise response
@@ -202,6 +203,9 @@ class ModelReplica:
         deferred = sum(response is DEFERRED for response in results)
         if deferred:
             self._metrics.deferred.inc(deferred)
+        chunks = sum(response is PREFILLING for response in results)
+        if chunks:
+            self._metrics.prefill_chunks.inc(chunks)
         for response in results:
             if not isinstance(response, (Exception, Deferred)):
                 self._metrics.compute.observe(response.compute_s, tags=tags)

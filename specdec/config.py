@@ -148,6 +148,15 @@ class ModelConfig(Section):
     prefills thousands of tokens in that time; a CPU one prompt per batch. 0: one prefill
     per batch."""
 
+    prefill_chunk_tokens: int = 512
+    """Chunked prefill: a prompt longer than this many tokens prefills in chunks of this many
+    (the last one shorter), one chunk per batch, so the decode rows of other sessions run
+    between its chunks instead of waiting for the whole prompt (a 2,000-token prompt holds a
+    2-core CPU for tens of seconds). Chunks start at fixed positions from the prompt's first
+    token, so a prompt prefills the same way every time and greedy output does not depend on
+    it; bitwise equality with transformers' `generate` (float32, plain GEMMs) holds for
+    prompts up to this length. 0: every prompt in one forward."""
+
     runner: str = AUTO
     """How a replica runs its model's forwards: `dynamic` (per-session growing caches, the
     calibrated exact widths and row-wise attention: the CPU path), `static` (specdec.worker.static:
@@ -263,6 +272,7 @@ class ModelConfig(Section):
         if self.max_model_len is not None:
             at_least("max_model_len", self.max_model_len, 1)
         at_least("batch_prefill_s", self.batch_prefill_s, 0)
+        at_least("prefill_chunk_tokens", self.prefill_chunk_tokens, 0)
         stuck_s = self.stuck_forward_s
         require("stuck_forward_s", stuck_s > 0, f"must be > 0 seconds, got {stuck_s}")
         at_least("max_forward_failures", self.max_forward_failures, 1)

@@ -26,7 +26,7 @@ from specdec.models.loading import LoadedModel, check_same_tokenizer
 from specdec.v1 import worker_pb2
 from specdec.worker.info import replica_info
 from specdec.worker.proposer import DraftProposer
-from specdec.worker.session import DEFERRED
+from specdec.worker.session import Deferred
 from specdec.worker.static.sides import proposer_class, verifier_class
 from specdec.worker.verifier import TargetVerifier
 
@@ -38,7 +38,7 @@ class LoopBatcher:
     Args:
         run_batch: the side's batch method (DraftProposer.propose_batch or
             TargetVerifier.verify_batch): requests -> per request a response, its
-            ValueError, or DEFERRED (submitted again with the next batch).
+            ValueError, or DEFERRED or PREFILLING (submitted again with the next batch).
 
     Calling it with a request returns that request's response or raises its error. The
     batch runs on the event loop's thread, as the unbatched calls did; one event loop at a
@@ -76,7 +76,7 @@ class LoopBatcher:
         except Exception as error:  # the whole batch failed: each call raises it
             results = [error] * len(batch)
         for (request, future), result in zip(batch, results):
-            if result is DEFERRED:
+            if isinstance(result, Deferred):
                 self._submit(loop, request, future)
             elif isinstance(result, Exception):
                 future.set_exception(result)

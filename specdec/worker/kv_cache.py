@@ -46,6 +46,7 @@ class SessionEntry:
     committed: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
     prompt_len: int = 0  # leading committed tokens that are the prompt (its prefill's width)
+    prefill_chunks_s: float = 0.0  # seconds of the prompt's chunks run ahead of its last one
     last_used_s: float = 0.0  # the store's clock at the last commit
     in_flight: bool = False  # checked out by a call that has not ended
 
@@ -136,8 +137,13 @@ class SessionCacheStore:
     a forward that still writes it. When the backing has no cache free, checkout evicts least
     recently used entries that no call has checked out until it has one.
 
+    A prompt prefills as its first call ran it, so that a rebuild replays it bitwise: in one
+    forward, or with chunked prefill (``prefill_chunk`` tokens, SessionModel.prefill_chunks)
+    in chunks from its first token. A cache that holds part of a prompt keeps only its whole
+    chunks (with no chunking: nothing).
+
     Raises:
-        ValueError: capacity_bytes <= 0 or idle_s < 0.
+        ValueError: capacity_bytes <= 0, idle_s < 0 or prefill_chunk < 0.
     """
 
     def __init__(
@@ -146,12 +152,16 @@ class SessionCacheStore:
         backing: CacheBacking,
         idle_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        prefill_chunk: int = 0,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if idle_s < 0:
             raise ValueError(f"idle_s must be >= 0 (0: never expire), got {idle_s}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: no chunks), got {prefill_chunk}")
         self.capacity_bytes = capacity_bytes
+        self.prefill_chunk = prefill_chunk
         self.idle_s, self._clock = idle_s, clock
         self._backing = backing
         self._entries: collections.OrderedDict[str, SessionEntry] = collections.OrderedDict()
@@ -204,7 +214,8 @@ class SessionCacheStore:
         if session.prompt_len:
             entry.prompt_len = session.prompt_len
         if keep < entry.prompt_len:
-            keep = 0  # a partly cached prompt is prefilled again whole, as it first was
+            # A partly cached prompt goes on from its last whole chunk, as it first ran.
+            keep = keep - keep % self.prefill_chunk if self.prefill_chunk else 0
         entry.crop(keep)
         entry.committed = committed
         entry.in_flight = True

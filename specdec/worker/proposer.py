@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -14,7 +15,7 @@ from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession
 from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.worker.sampling import processed_probs, request_generator, sample, truncate_top_n
-from specdec.worker.session import SessionModel
+from specdec.worker.session import PREFILLING, SessionModel
 
 DRAFT_STREAM = "draft"
 # A pipelined draft's draws (after assumed tokens): a stream of their own, so that no draw of
@@ -86,8 +87,9 @@ class DraftProposer(SessionModel):
             Per request, in order: its ProposeResponse (catchup_s: the catch-up forward's
             seconds, compute_s: the whole batch's, or at k = 0, all catch-up, catchup_s), the
             ValueError its input raised, the exception its forward raised on its own (as
-            TargetVerifier.verify_batch), or DEFERRED (a prefill past the batch's prefill
-            budget, SessionModel.run_batch).
+            TargetVerifier.verify_batch), DEFERRED (a prefill past the batch's prefill
+            budget, SessionModel.run_batch) or PREFILLING (a chunk of a long prompt ran,
+            SessionModel.prefill_chunks; the last call's compute_s counts every chunk).
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._propose_distinct)
@@ -95,7 +97,8 @@ class DraftProposer(SessionModel):
         for request, response in zip(requests, results):
             if isinstance(response, worker_pb2.ProposeResponse) and not response.cache_miss:
                 drafted = request.num_speculative_tokens > 0
-                response.compute_s = elapsed if drafted else response.catchup_s
+                # compute_s holds the seconds of the prompt's earlier chunks (Draft.response)
+                response.compute_s += elapsed if drafted else response.catchup_s
         return results
 
     def _propose_distinct(
@@ -105,17 +108,15 @@ class DraftProposer(SessionModel):
         sessions = [request.session for request in requests]
         assumed = [list(request.assumed_token_ids) for request in requests]
         with self.checked_out(sessions, assumed) as actives:
-            drafts = [Draft(r, a) for r, a in zip(requests, actives) if a is not None]
+            chunked = self.prefill_chunks(actives)
+            drafts = [Draft(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
             greedy = [d for d in drafts if d.generator is None]
             groups = [greedy] if greedy else []
             groups += [[d] for d in drafts if d.generator is not None]
             for group in groups:
                 self._draft_together(group)
         responses = iter(d.response() for d in drafts)
-        return [
-            worker_pb2.ProposeResponse(cache_miss=True) if a is None else next(responses)
-            for a in actives
-        ]
+        return [_respond(a, more, responses) for a, more in zip(actives, chunked)]
 
     def _draft_together(self, drafts: list[Draft]) -> None:
         """Catches every session of ``drafts`` up and drafts until each one stops."""
@@ -133,7 +134,7 @@ class DraftProposer(SessionModel):
         """Feeds each session its tokens; returns each one's [vocab] logits after its last.
         Prompts not yet cached run alone (their prefill), the rest packed when the model
         allows, else one after another."""
-        alone = [not self._packing or not a.entry.cached_ids for a, _ in feeds]
+        alone = [not self._packing or _prefills(a) for a, _ in feeds]
         packed = [Segment(a.entry, ids, 1) for (a, ids), solo in zip(feeds, alone) if not solo]
         together = iter(
             packed_forward(self.loaded.model, packed, self.loaded.vocab_size) if packed else ()
@@ -189,7 +190,10 @@ class Draft:
         return len(self.tokens) == self.k or math.prod(self.confidences) < self.floor
 
     def response(self) -> worker_pb2.ProposeResponse:
+        entry = self.active.entry
+        chunks_s, entry.prefill_chunks_s = entry.prefill_chunks_s, 0.0
         response = worker_pb2.ProposeResponse(
+            compute_s=chunks_s,  # propose_batch adds the batch's seconds
             catchup_s=self.catchup_s,
             catchup_tokens=len(self.active.pending),
             token_ids=self.tokens,
@@ -198,6 +202,18 @@ class Draft:
         if self.q_ids:
             _fill_sparse(response.q, torch.stack(self.q_ids), torch.stack(self.q_probs))
         return response
+
+
+def _respond(active: ActiveSession | None, chunked: bool, drafted: Iterator) -> object:
+    """A session's answer in a pass: PREFILLING, a cache_miss, or its draft's response."""
+    if chunked:
+        return PREFILLING
+    return next(drafted) if active is not None else worker_pb2.ProposeResponse(cache_miss=True)
+
+
+def _prefills(active: ActiveSession) -> bool:
+    """Whether the session's feed is (the rest of) its prompt, which runs alone."""
+    return len(active.entry.cached_ids) < active.entry.prompt_len
 
 
 def _softmax_at(logits: torch.Tensor, index: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -26,14 +27,23 @@ Response = TypeVar("Response")
 
 
 class Deferred:
-    """run_batch's result for a call left to a later batch (a prefill past the batch's
-    prefill budget): the caller submits it again; nothing about its session changed."""
+    """run_batch's result for a call left to a later batch: the caller submits it again.
+
+    DEFERRED: a prefill past the batch's prefill budget; nothing about its session changed.
+    PREFILLING: a prompt longer than models.prefill_chunk_tokens whose next chunk this batch
+    prefilled (chunked prefill); the session keeps the chunks done, and the call goes on from
+    them when it is submitted again.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def __repr__(self) -> str:
-        return "DEFERRED"
+        return self.name
 
 
-DEFERRED = Deferred()
+DEFERRED = Deferred("DEFERRED")
+PREFILLING = Deferred("PREFILLING")
 
 
 class SessionModel:
@@ -62,11 +72,18 @@ class SessionModel:
             config.models.cache_capacity_bytes,
             self.cache_backing(loaded, config),
             idle_s=config.models.cache_idle_s,
+            prefill_chunk=config.models.prefill_chunk_tokens,
         )
         self.prefill_budget: int | None = None
         if calibration is not None:
             per_token = calibration.chosen.prefill_s_per_token
             self.prefill_budget = int(config.models.batch_prefill_s / max(per_token, 1e-9))
+
+    @property
+    def prefill_chunk(self) -> int:
+        """models.prefill_chunk_tokens (0: every prompt in one forward), as the session store
+        keeps it."""
+        return self.sessions.prefill_chunk
 
     def cache_backing(self, loaded: LoadedModel, config: SpecdecConfig) -> CacheBacking:
         """Where the session caches come from: a transformers DynamicCache each (a static
@@ -108,9 +125,12 @@ class SessionModel:
         whole sequence, which rebuilds the session exactly (specdec.worker.kv_cache); a prefill
         runs again from its prompt.
 
+        ``run_distinct`` answers PREFILLING for a call whose prompt it prefilled a chunk of
+        (prefill_chunks).
+
         Returns:
             Per request, in order: run_distinct's response for it, its ValueError, the
-            exception its forward raised alone, or DEFERRED.
+            exception its forward raised alone, DEFERRED or PREFILLING.
         """
         results: list = [None] * len(requests)
         checked = []
@@ -121,7 +141,8 @@ class SessionModel:
                 checked.append(i)
             except ValueError as error:
                 results[i] = error
-        deferred = _defer_prefills([requests[i].session for i in checked], self.prefill_budget)
+        sessions = [requests[i].session for i in checked]
+        deferred = _defer_prefills(sessions, self.prefill_budget, self.prefill_chunk)
         todo = [i for n, i in enumerate(checked) if n not in deferred]
         for n in deferred:
             results[checked[n]] = DEFERRED
@@ -163,6 +184,34 @@ class SessionModel:
         for active in actives:
             if active is not None:
                 self.sessions.commit(active)
+
+    def prefill_chunks(self, actives: list[ActiveSession | None]) -> list[bool]:
+        """Chunked prefill (Agrawal et al. 2023, Sarathi; vLLM's and SGLang's chunked prefill):
+        every session of ``actives`` with more than ``prefill_chunk`` prompt tokens left to
+        prefill runs its next chunk of that many, alone; the others' rows then share the
+        batch's forwards, and the chunked sessions' calls answer PREFILLING and come back
+        with the next batch. Chunks start at multiples of ``prefill_chunk`` from the prompt's
+        first token, so a prompt prefills in the same forwards every time and a rebuild
+        replays them bitwise (SessionCacheStore.checkout keeps the whole chunks cached).
+
+        Returns:
+            Per session, True where it ran a chunk (None entries: False).
+        """
+        chunked = []
+        for active in actives:
+            left = 0 if active is None else active.entry.prompt_len - len(active.entry.cached_ids)
+            more = bool(self.prefill_chunk) and left > self.prefill_chunk
+            if more:
+                start = time.perf_counter()
+                self.prefill_chunk_forward(active, active.pending[: self.prefill_chunk])
+                active.entry.prefill_chunks_s += time.perf_counter() - start
+            chunked.append(more)
+        return chunked
+
+    def prefill_chunk_forward(self, active: ActiveSession, token_ids: list[int]) -> None:
+        """Runs one chunk of a prompt into the session's cache (the static runner's sides
+        prefill into their slot instead)."""
+        self.feed(active, token_ids, num_logits=1)
 
     @torch.inference_mode()
     def feed(self, active: ActiveSession, token_ids: list[int], num_logits: int) -> torch.Tensor:
@@ -212,15 +261,20 @@ def _check_tokens(tokens: worker_pb2.SessionTokens) -> None:
         raise ValueError("session.new_token_ids must hold the prompt when prefix_len is 0")
 
 
-def _defer_prefills(sessions: list[worker_pb2.SessionTokens], budget: int | None) -> set[int]:
+def _defer_prefills(
+    sessions: list[worker_pb2.SessionTokens], budget: int | None, chunk: int = 0
+) -> set[int]:
     """Indices (into ``sessions``, in arrival order) of the calls to leave to a later batch:
-    each prefill after the first whose prompt tokens would take the batch's prefill tokens past
-    ``budget`` (None: no bound), and every later call of a session already deferred."""
+    each prefill after the first whose prompt tokens (at most a ``chunk`` of them where
+    prefill is chunked) would take the batch's prefill tokens past ``budget`` (None: no
+    bound), and every later call of a session already deferred."""
     deferred: set[int] = set()
     waiting: set[str] = set()
     used = 0
     for i, tokens in enumerate(sessions):
         prefill = len(tokens.new_token_ids) if tokens.prefix_len == 0 else 0
+        if chunk:
+            prefill = min(prefill, chunk)
         over = budget is not None and used > 0 and used + prefill > budget
         if tokens.session_id in waiting or (prefill and over):
             deferred.add(i)

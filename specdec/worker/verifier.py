@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -17,7 +18,7 @@ from specdec.worker.kv_cache import ActiveSession
 from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.worker.rejection import verify_greedy, verify_sampled
 from specdec.worker.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.worker.session import SessionModel
+from specdec.worker.session import PREFILLING, SessionModel
 
 TARGET_STREAM = "target"
 
@@ -100,16 +101,17 @@ class TargetVerifier(SessionModel):
             the time the call waited on the model), or the ValueError its input raised, which
             leaves that session as it was and the others unaffected, or the exception its
             forward raised on its own (the others then answer as usual, a cache_miss where the
-            failed shared forward dropped their caches; SessionModel.run_batch), or DEFERRED (a
-            prefill past the batch's prefill budget). A session named twice runs its later
-            calls in later forwards, in order.
+            failed shared forward dropped their caches; SessionModel.run_batch), DEFERRED (a
+            prefill past the batch's prefill budget) or PREFILLING (a chunk of a long prompt
+            ran; SessionModel.prefill_chunks). A session named twice runs its later calls in
+            later forwards, in order. A chunked prefill's compute_s counts its chunks too.
         """
         start = time.perf_counter()
         results = self.run_batch(requests, self._verify_distinct, _check_q)
         elapsed = time.perf_counter() - start
         for response in results:
             if isinstance(response, worker_pb2.VerifyResponse):
-                response.compute_s = elapsed
+                response.compute_s += elapsed
         return results
 
     def _verify_distinct(
@@ -117,23 +119,21 @@ class TargetVerifier(SessionModel):
     ) -> list[worker_pb2.VerifyResponse]:
         """verify_batch over requests of distinct sessions."""
         with self.checked_out([request.session for request in requests]) as actives:
-            live = [(r, a) for r, a in zip(requests, actives) if a is not None]
+            chunked = self.prefill_chunks(actives)
+            live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
             jobs = [
                 (a, a.pending + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
                 for r, a in live
             ]
             logits = iter(self._forward_many(jobs))
-            responses = [
-                self._accept(request, active, next(logits))
-                if active is not None
-                else worker_pb2.VerifyResponse(cache_miss=True)
-                for request, active in zip(requests, actives)
-            ]
-        rows = sum(len(token_ids) for _, token_ids, _ in jobs)
-        for response in responses:
-            if not response.cache_miss:
-                response.batch_sessions, response.batch_rows = len(jobs), rows
-        return responses
+            rows = sum(len(token_ids) for _, token_ids, _ in jobs)
+            return answers(
+                requests,
+                actives,
+                chunked,
+                lambda request, active: self._accept(request, active, next(logits)),
+                rows,
+            )
 
     def _accept(
         self, request: worker_pb2.VerifyRequest, active: ActiveSession, logits: torch.Tensor
@@ -220,6 +220,35 @@ class TargetVerifier(SessionModel):
             q = sparse_to_dense(q_ids, q_probs, p.shape[-1])
         generator = request_generator(sampling.seed, TARGET_STREAM, position)
         return verify_sampled(draft_ids, q, p, generator)
+
+
+def answers(
+    requests: list[worker_pb2.VerifyRequest],
+    actives: list[ActiveSession | None],
+    chunked: list[bool],
+    answer: Callable[[worker_pb2.VerifyRequest, ActiveSession], worker_pb2.VerifyResponse],
+    rows: int,
+) -> list[worker_pb2.VerifyResponse]:
+    """The responses of a pass over distinct sessions, in order: PREFILLING where a chunk of
+    the prompt ran (SessionModel.prefill_chunks), a cache_miss where the session missed, else
+    ``answer`` (called in order, once per session the pass's forwards ran), with the pass's
+    sessions and ``rows`` and, in compute_s, the seconds of the prompt's earlier chunks
+    (verify_batch adds the batch's)."""
+    responses: list = []
+    for request, active, more in zip(requests, actives, chunked):
+        if more:
+            responses.append(PREFILLING)
+        elif active is None:
+            responses.append(worker_pb2.VerifyResponse(cache_miss=True))
+        else:
+            response = answer(request, active)
+            response.compute_s, active.entry.prefill_chunks_s = active.entry.prefill_chunks_s, 0
+            responses.append(response)
+    ran = sum(r is not PREFILLING and not r.cache_miss for r in responses)
+    for response in responses:
+        if response is not PREFILLING and not response.cache_miss:
+            response.batch_sessions, response.batch_rows = ran, rows
+    return responses
 
 
 def _check_q(request: worker_pb2.VerifyRequest) -> None:

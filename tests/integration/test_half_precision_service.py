@@ -5,7 +5,9 @@ tests/width_set_site/sitecustomize.py; the tiny target's own bfloat16 calibratio
 width). A target replica holding sessions is killed mid-request, the sessions are rebuilt on
 the other replica (which reused the first one's start-up calibration after its own exactness
 check) and continue with the same token ids and logprobs as the undisturbed run, which equals
-the service's target alone (k = 0).
+the service's target alone (k = 0). Both sides prefill in chunks of 8 tokens
+(models.prefill_chunk_tokens; the prompts are 9-20 tokens), so the rebuilt sessions replay
+chunked prefills too.
 
 The reference is the service's own k = 0, not an engine in this process: in half precision a
 row's result depends on the width it is padded to, and a process that measures its own exact
@@ -22,6 +24,7 @@ from array import array
 import pytest
 from serve_state import cache_stats_per_replica as _cache_stats_per_replica
 from serve_state import kill as _kill
+from serve_state import metric_total, scrape_metrics
 from serve_state import running_replicas as _replicas
 from serve_state import wait_until as _wait_until
 from width_sets import service_env, set_of
@@ -33,6 +36,8 @@ pytestmark = pytest.mark.integration
 DTYPE = "bfloat16"
 NEW_TOKENS = 160
 CASES = [(prompt, k) for prompt, k in zip(PROMPTS[:6], [3, None, 3, None, 1, 3])]
+CHUNK = 8
+CHUNKS_METRIC = "ray_specdec_prefill_chunks_total"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,8 @@ def half_service(tmp_path_factory, tiny_service, tiny_pair):
     tmp = tmp_path_factory.mktemp("bf16")
     env = service_env(tiny_pair[1], tmp / "calibrations")
     # At the shipped timeouts: a killed replica's calls fail at once and are retried.
-    with tiny_service(tmp, dtype=DTYPE, target_env=env) as (client, _, _):
+    args = {"dtype": DTYPE, "target_env": env, "prefill_chunk_tokens": CHUNK}
+    with tiny_service(tmp, **args) as (client, _, _):
         yield client
 
 
@@ -98,3 +104,19 @@ def test_killed_half_precision_target_replica_continues_bitwise(half_service, ta
         assert logprobs == undisturbed[prompt][1]
     survivors = _cache_stats_per_replica("TargetModel")
     assert sum(s.rebuilds for _, s in survivors.values()) >= 1
+
+
+def test_both_sides_prefilled_the_prompts_in_chunks(half_service, target_alone, tiny_pair):
+    # The k = 0 requests alone ran each prompt's chunks ahead of its last one on the target;
+    # the speculative ones (the kill test's) on the draft too.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_pair[1]))
+    ahead = sum((len(tokenizer.encode(prompt)) - 1) // CHUNK for prompt, _ in CASES)
+    assert ahead >= len(CASES)
+
+    def chunks(deployment):
+        return metric_total(scrape_metrics(), CHUNKS_METRIC, deployment=deployment)
+
+    _wait_until(lambda: chunks("TargetModel") >= ahead, timeout_s=60)
+    _wait_until(lambda: chunks("DraftModel") >= 1, timeout_s=60)

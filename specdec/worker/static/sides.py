@@ -19,7 +19,7 @@ from specdec.worker.proposer import Draft, DraftProposer
 from specdec.worker.static.runner import CallClock, StaticRunner, VerifyJob, VerifyOutcome
 from specdec.worker.static.shapes import invariant_shapes
 from specdec.worker.static.slots import SlotAllocator, SlotLayout, slot_layout
-from specdec.worker.verifier import TargetVerifier
+from specdec.worker.verifier import TargetVerifier, answers
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,10 @@ class _Slots:
         if q_ids and (min(q_ids) < 0 or max(q_ids) >= vocab):
             raise ValueError(f"q token ids must lie in [0, {vocab}), the vocabulary")
 
+    def prefill_chunk_forward(self, active: ActiveSession, token_ids: list[int]) -> None:
+        """A chunk of a prompt into the session's slot (SessionModel.prefill_chunks)."""
+        self.runner.prefill(active.entry, token_ids, 1)
+
     def _start_runner(self, loaded: LoadedModel, config: SpecdecConfig) -> None:
         self.runner = StaticRunner(loaded, self.layout, config.models.max_batch_size)
         self.sessions.capacity_bytes = self.layout.slot_bytes * self.layout.num_slots
@@ -151,19 +155,17 @@ class StaticVerifier(_Slots, TargetVerifier):
         self, requests: list[worker_pb2.VerifyRequest]
     ) -> list[worker_pb2.VerifyResponse]:
         with self.checked_out([request.session for request in requests]) as actives:
-            live = [(r, a) for r, a in zip(requests, actives) if a is not None]
+            chunked = self.prefill_chunks(actives)
+            live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
+            rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
             outcomes = iter(self.runner.verify([self._job(r, a) for r, a in live]))
-            responses = [
-                self._respond(request, active, next(outcomes))
-                if active is not None
-                else worker_pb2.VerifyResponse(cache_miss=True)
-                for request, active in zip(requests, actives)
-            ]
-        rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
-        for response in responses:
-            if not response.cache_miss:
-                response.batch_sessions, response.batch_rows = len(live), rows
-        return responses
+            return answers(
+                requests,
+                actives,
+                chunked,
+                lambda request, active: self._respond(request, active, next(outcomes)),
+                rows,
+            )
 
     def _job(self, request: worker_pb2.VerifyRequest, active: ActiveSession) -> VerifyJob:
         """Prefills the session's prompt if its slot lacks it (alone, as it first ran); the
