@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from specdec.config import SpecdecConfig
 from specdec.device.calibration.results import Calibration
+from specdec.device.exact_widths import prompt_attention
 from specdec.models.loading import LoadedModel
 from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import (
@@ -211,7 +212,15 @@ class SessionModel:
     def prefill_chunk_forward(self, active: ActiveSession, token_ids: list[int]) -> None:
         """Runs one chunk of a prompt into the session's cache (the static runner's sides
         prefill into their slot instead)."""
-        self.feed(active, token_ids, num_logits=1)
+        self.feed_prompt(active, token_ids, num_logits=1)
+
+    def feed_prompt(
+        self, active: ActiveSession, token_ids: list[int], num_logits: int
+    ) -> torch.Tensor:
+        """feed() of prompt tokens: after earlier chunks of the prompt, under one masked
+        attention call per layer (specdec.device.exact_widths.prompt_attention)."""
+        with prompt_attention():
+            return self.feed(active, token_ids, num_logits)
 
     @torch.inference_mode()
     def feed(self, active: ActiveSession, token_ids: list[int], num_logits: int) -> torch.Tensor:

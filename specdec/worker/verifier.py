@@ -176,7 +176,8 @@ class TargetVerifier(SessionModel):
             head = torch.empty(0, self.loaded.vocab_size)
             if prompt_todo:
                 wanted = min(max(num_logits - rest, 1), prompt_todo)
-                head = self.feed(active, token_ids[:prompt_todo], wanted)
+                feed = self.feed_prompt if self.exact is not None else self.feed
+                head = feed(active, token_ids[:prompt_todo], wanted)
             heads.append(head)
             segments.append(Segment(active.entry, token_ids[prompt_todo:], min(num_logits, rest)))
         tails = iter(self._forward_segments([s for s in segments if s.token_ids]))

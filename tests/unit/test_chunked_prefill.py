@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from rebuilds import stream_evicting
 
 from specdec import SamplingParams, SpeculativeEngine
@@ -189,3 +190,30 @@ def test_the_chunk_size_is_validated():
     with pytest.raises(ConfigError, match="prefill_chunk_tokens: must be at least 0, got -1"):
         SpecdecConfig.of(None, prefill_chunk_tokens=-1)
     assert SpecdecConfig.of(None).models.prefill_chunk_tokens == 512
+
+
+def test_a_later_chunk_attends_in_one_masked_call_per_layer(tiny_pair, monkeypatch):
+    # A chunk that extends the cache runs one SDPA call per layer under the causal mask (a row
+    # loop over a chunk's hundreds of rows, each copying its key prefix, cost 3x the whole
+    # prefill), and its logits are the whole prompt's prefill's up to float32 rounding: the
+    # mask gives each row its own causal prefix.
+    from transformers import DynamicCache
+
+    from specdec.device import exact_widths
+    from specdec.models.loading import load_model
+
+    model = load_model(str(tiny_pair[1]), dtype="float32").model
+    exact_widths.use_row_wise_attention(model)
+    ids = torch.randint(300, (1, 2 * CHUNK), generator=torch.Generator().manual_seed(1))
+    whole = model(input_ids=ids, cache=DynamicCache(config=model.config), logits_to_keep=2 * CHUNK)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :CHUNK], cache=cache, use_cache=True, logits_to_keep=1)
+    calls = []
+    sdpa = exact_widths.sdpa_attention_forward
+    monkeypatch.setattr(
+        exact_widths, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    with exact_widths.prompt_attention():
+        chunk = model(input_ids=ids[:, CHUNK:], cache=cache, use_cache=True, logits_to_keep=CHUNK)
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(chunk.logits, whole.logits[:, CHUNK:], rtol=1e-5, atol=1e-5)
