@@ -86,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps(figures, indent=2))
     if args.out:
         config = {**vars(args), "target": info.target_dtype, "draft": info.draft_dtype}
-        record = run_record(" ".join(sys.argv), host, config, figures=figures)
+        command = " ".join(["python -m specdec.bench.prefill_stall", *sys.argv[1:]])
+        record = run_record(command, host, config, figures=figures)
         with open(args.out, "w") as out:
             json.dump(record, out, indent=2)
     return 0
