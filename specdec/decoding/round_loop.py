@@ -190,7 +190,8 @@ class RoundLoop:
 
     async def _draft_prefilled(self) -> bool:
         """Whether the draft's prefill (if one was started) has ended; lets it run one step
-        first, so an in-process draft (which never yields) always has."""
+        first, so an in-process draft (which never yields) always has, unless its prompt
+        prefills in chunks (one per turn of the event loop: rounds run at k = 0 meanwhile)."""
         task = self._draft_prefill
         if task is None:
             return True

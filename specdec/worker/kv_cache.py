@@ -120,7 +120,8 @@ class SessionCacheStore:
     Between calls, the stored entries hold at most ``capacity_bytes`` of key and value storage
     (cache_nbytes), and stats() reports that figure. A call in flight grows its own entry by the
     tokens it feeds until its commit, which compacts the entry (compact_cache) and evicts least
-    recently used entries, this one too when it alone exceeds the capacity.
+    recently used entries, this one too when it alone exceeds the capacity, unless it holds a
+    prompt between its chunks (dropped, its call would start the prompt again forever).
 
     An entry not committed for ``idle_s`` seconds is dropped by the next commit or expire(): a
     session whose release never reached this replica (the replica set changed under a running
@@ -238,7 +239,13 @@ class SessionCacheStore:
             self._entries[active.session_id] = entry
             self._bytes += size
             while self._bytes > self.capacity_bytes and self._entries:
-                self._remove_locked(next(iter(self._entries)))
+                oldest = next(iter(self._entries))
+                if oldest == active.session_id and len(entry.cached_ids) < entry.prompt_len:
+                    # A prompt between its chunks, alone past capacity: dropped here, its call
+                    # would prefill its first chunks again forever. It stays until its prompt
+                    # is prefilled (its next calls then miss and rebuild, as before chunking).
+                    break
+                self._remove_locked(oldest)
                 self.evictions += 1
             self._expire_locked()
 
@@ -308,6 +315,11 @@ class SessionCacheStore:
                 self._released.popitem(last=False)
             entry = self._remove_locked(session_id)
         return entry is not None
+
+    def released(self, session_id: str) -> bool:
+        """Whether the session was released (a call still in flight must not go on)."""
+        with self._lock:
+            return session_id in self._released
 
     def evict(self, session_id: str) -> bool:
         """Drops a session as if capacity had forced it out: its next call misses and rebuilds."""

@@ -66,6 +66,8 @@ class DraftProposer(SessionModel):
         catch-up).
         """
         (response,) = self.propose_batch([request])
+        while response is PREFILLING:  # a long prompt: one chunk per call of propose_batch
+            (response,) = self.propose_batch([request])
         if isinstance(response, Exception):
             raise response
         return response
@@ -108,13 +110,17 @@ class DraftProposer(SessionModel):
         sessions = [request.session for request in requests]
         assumed = [list(request.assumed_token_ids) for request in requests]
         with self.checked_out(sessions, assumed) as actives:
+            start = time.perf_counter()
             chunked = self.prefill_chunks(actives)
+            chunks_s = time.perf_counter() - start
             drafts = [Draft(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
             greedy = [d for d in drafts if d.generator is None]
             groups = [greedy] if greedy else []
             groups += [[d] for d in drafts if d.generator is not None]
             for group in groups:
                 self._draft_together(group)
+            for draft in drafts:  # the chunks ran ahead of the catch-up, as whole prompts did
+                draft.catchup_s += chunks_s
         responses = iter(d.response() for d in drafts)
         return [_respond(a, more, responses) for a, more in zip(actives, chunked)]
 

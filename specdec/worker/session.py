@@ -199,9 +199,14 @@ class SessionModel:
             Per session, True where it ran a chunk (None entries: False).
         """
         chunked = []
-        for active in actives:
+        for i, active in enumerate(actives):
             left = 0 if active is None else active.entry.prompt_len - len(active.entry.cached_ids)
             more = bool(self.prefill_chunk) and left > self.prefill_chunk
+            if more and self.sessions.released(active.session_id):
+                # Released mid-prefill: its commit would drop the chunk and the call would come
+                # back PREFILLING from the first chunk forever. It ends as a miss instead.
+                self.sessions.abort(active)
+                actives[i], more = None, False
             if more:
                 start = time.perf_counter()
                 self.prefill_chunk_forward(active, active.pending[: self.prefill_chunk])

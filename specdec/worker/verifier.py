@@ -80,6 +80,8 @@ class TargetVerifier(SessionModel):
                 session is left as it was).
         """
         (response,) = self.verify_batch([request])
+        while response is PREFILLING:  # a long prompt: one chunk per call of verify_batch
+            (response,) = self.verify_batch([request])
         if isinstance(response, Exception):
             raise response
         return response
@@ -127,6 +129,7 @@ class TargetVerifier(SessionModel):
             ]
             logits = iter(self._forward_many(jobs))
             rows = sum(len(token_ids) for _, token_ids, _ in jobs)
+            rows += self.prefill_chunk * sum(chunked)  # the chunks shared the batch's time
             return answers(
                 requests,
                 actives,
@@ -245,7 +248,7 @@ def answers(
             response = answer(request, active)
             response.compute_s, active.entry.prefill_chunks_s = active.entry.prefill_chunks_s, 0
             responses.append(response)
-    ran = sum(r is not PREFILLING and not r.cache_miss for r in responses)
+    ran = sum(r is PREFILLING or not r.cache_miss for r in responses)
     for response in responses:
         if response is not PREFILLING and not response.cache_miss:
             response.batch_sessions, response.batch_rows = ran, rows

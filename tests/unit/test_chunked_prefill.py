@@ -16,6 +16,7 @@ from specdec.config import ConfigError, SpecdecConfig
 from specdec.models.tiny import PROMPTS
 from specdec.v1 import worker_pb2
 from specdec.worker.session import PREFILLING
+from specdec.worker.static.sides import StaticVerifier
 
 CHUNK = 16
 # Prompts of several chunks each (about 100 tokens each with the tiny tokenizer).
@@ -217,3 +218,33 @@ def test_a_later_chunk_attends_in_one_masked_call_per_layer(tiny_pair, monkeypat
         chunk = model(input_ids=ids[:, CHUNK:], cache=cache, use_cache=True, logits_to_keep=CHUNK)
     assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(chunk.logits, whole.logits[:, CHUNK:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_session_released_between_chunks_ends_its_call(chunked):
+    # The release (a cancelled request) arrives while the prompt prefills: the resubmitted
+    # call ends as a miss and holds nothing, instead of starting the prompt again forever.
+    verifier = chunked.transport.verifier
+    stream = _Stream("chunked-released", verifier.loaded.tokenizer.encode(LONG[2]))
+    prefill = stream.verify()
+    assert verifier.verify_batch([prefill])[0] is PREFILLING
+    verifier.release(worker_pb2.ReleaseRequest(session_id=stream.name))
+    (response,) = verifier.verify_batch([prefill])
+    assert response is not PREFILLING and response.cache_miss
+    assert stream.name not in verifier.sessions._entries
+
+
+def test_a_prompt_whose_chunks_pass_the_cache_bound_still_answers(chunked, monkeypatch):
+    # Two chunks of the prompt hold more than the whole bound: the entry stays until the prompt
+    # is prefilled (then the bound evicts it, and the next call rebuilds), as an unchunked
+    # prefill did, instead of being dropped between chunks and starting over forever.
+    verifier = chunked.transport.verifier
+    prompt = verifier.loaded.tokenizer.encode(LONG[0])
+    stream = _Stream("chunked-over-bound", prompt)
+    prefill = stream.verify()
+    assert verifier.verify_batch([prefill])[0] is PREFILLING
+    one_chunk = verifier.sessions._entries[stream.name].nbytes
+    monkeypatch.setattr(verifier.sessions, "capacity_bytes", one_chunk + 1)
+    answers = [verifier.verify_batch([prefill])[0] for _ in range(len(prompt) // CHUNK)]
+    assert answers[-1] is not PREFILLING and not answers[-1].cache_miss
+    if not isinstance(verifier, StaticVerifier):  # its bound is slots: one holds any length
+        assert stream.name not in verifier.sessions._entries  # evicted once answered

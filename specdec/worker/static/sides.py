@@ -158,6 +158,7 @@ class StaticVerifier(_Slots, TargetVerifier):
             chunked = self.prefill_chunks(actives)
             live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
             rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
+            rows += self.prefill_chunk * sum(chunked)  # the chunks shared the batch's time
             outcomes = iter(self.runner.verify([self._job(r, a) for r, a in live]))
             return answers(
                 requests,
