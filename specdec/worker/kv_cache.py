@@ -50,6 +50,11 @@ class SessionEntry:
     last_used_s: float = 0.0  # the store's clock at the last commit
     in_flight: bool = False  # checked out by a call that has not ended
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens the cache does not hold yet (its prefill's, or its chunks', rest)."""
+        return max(self.prompt_len - len(self.cached_ids), 0)
+
     def crop(self, length: int) -> None:
         """Drops KV beyond the first ``length`` cached tokens."""
         excess = len(self.cached_ids) - length

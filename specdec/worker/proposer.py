@@ -15,7 +15,7 @@ from specdec.v1 import worker_pb2
 from specdec.worker.kv_cache import ActiveSession
 from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.worker.sampling import processed_probs, request_generator, sample, truncate_top_n
-from specdec.worker.session import PREFILLING, SessionModel
+from specdec.worker.session import PREFILLING, SessionModel, answer_alone
 
 DRAFT_STREAM = "draft"
 # A pipelined draft's draws (after assumed tokens): a stream of their own, so that no draw of
@@ -65,12 +65,7 @@ class DraftProposer(SessionModel):
         draft steps after it, so the controller prices each separately (all of a k = 0 call is
         catch-up).
         """
-        (response,) = self.propose_batch([request])
-        while response is PREFILLING:  # a long prompt: one chunk per call of propose_batch
-            (response,) = self.propose_batch([request])
-        if isinstance(response, Exception):
-            raise response
-        return response
+        return answer_alone(self.propose_batch, request)
 
     def propose_batch(
         self, requests: list[worker_pb2.ProposeRequest]
@@ -140,7 +135,7 @@ class DraftProposer(SessionModel):
         """Feeds each session its tokens; returns each one's [vocab] logits after its last.
         Prompts not yet cached run alone (their prefill), the rest packed when the model
         allows, else one after another."""
-        alone = [not self._packing or _prefills(a) for a, _ in feeds]
+        alone = [not self._packing or a.entry.prompt_left > 0 for a, _ in feeds]
         packed = [Segment(a.entry, ids, 1) for (a, ids), solo in zip(feeds, alone) if not solo]
         together = iter(
             packed_forward(self.loaded.model, packed, self.loaded.vocab_size) if packed else ()
@@ -215,11 +210,6 @@ def _respond(active: ActiveSession | None, chunked: bool, drafted: Iterator) -> 
     if chunked:
         return PREFILLING
     return next(drafted) if active is not None else worker_pb2.ProposeResponse(cache_miss=True)
-
-
-def _prefills(active: ActiveSession) -> bool:
-    """Whether the session's feed is (the rest of) its prompt, which runs alone."""
-    return len(active.entry.cached_ids) < active.entry.prompt_len
 
 
 def _softmax_at(logits: torch.Tensor, index: int) -> float:

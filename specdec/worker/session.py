@@ -200,7 +200,7 @@ class SessionModel:
         """
         chunked = []
         for i, active in enumerate(actives):
-            left = 0 if active is None else active.entry.prompt_len - len(active.entry.cached_ids)
+            left = 0 if active is None else active.entry.prompt_left
             more = bool(self.prefill_chunk) and left > self.prefill_chunk
             if more and self.sessions.released(active.session_id):
                 # Released mid-prefill: its commit would drop the chunk and the call would come
@@ -258,6 +258,17 @@ class SessionModel:
 
     def cache_stats(self) -> worker_pb2.CacheStats:
         return self.sessions.stats()
+
+
+def answer_alone(run_batch: Callable[[list[Request]], list], request: Request) -> Response:
+    """One call through a side's batch method (verify_batch, propose_batch) on its own: its
+    response, after the chunks of a long prompt ran one batch each; raises its own error."""
+    (response,) = run_batch([request])
+    while response is PREFILLING:
+        (response,) = run_batch([request])
+    if isinstance(response, Exception):
+        raise response
+    return response
 
 
 def _run_alone(request: Request, run_distinct: Callable[[list[Request]], list[Response]]):

@@ -18,7 +18,7 @@ from specdec.worker.kv_cache import ActiveSession
 from specdec.worker.packed import Segment, packed_forward, prepare_packing, supports_packing
 from specdec.worker.rejection import verify_greedy, verify_sampled
 from specdec.worker.sampling import processed_probs, request_generator, sparse_to_dense
-from specdec.worker.session import PREFILLING, SessionModel
+from specdec.worker.session import PREFILLING, SessionModel, answer_alone
 
 TARGET_STREAM = "target"
 
@@ -79,12 +79,7 @@ class TargetVerifier(SessionModel):
             ValueError: a sampled request whose q does not hold one row per draft token (the
                 session is left as it was).
         """
-        (response,) = self.verify_batch([request])
-        while response is PREFILLING:  # a long prompt: one chunk per call of verify_batch
-            (response,) = self.verify_batch([request])
-        if isinstance(response, Exception):
-            raise response
-        return response
+        return answer_alone(self.verify_batch, request)
 
     def verify_batch(
         self, requests: list[worker_pb2.VerifyRequest]
@@ -120,23 +115,53 @@ class TargetVerifier(SessionModel):
         self, requests: list[worker_pb2.VerifyRequest]
     ) -> list[worker_pb2.VerifyResponse]:
         """verify_batch over requests of distinct sessions."""
-        with self.checked_out([request.session for request in requests]) as actives:
-            chunked = self.prefill_chunks(actives)
-            live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
+
+        def forward(live: list[tuple[worker_pb2.VerifyRequest, ActiveSession]]) -> list:
             jobs = [
                 (a, a.pending + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
                 for r, a in live
             ]
-            logits = iter(self._forward_many(jobs))
-            rows = sum(len(token_ids) for _, token_ids, _ in jobs)
-            rows += self.prefill_chunk * sum(chunked)  # the chunks shared the batch's time
-            return answers(
-                requests,
-                actives,
-                chunked,
-                lambda request, active: self._accept(request, active, next(logits)),
-                rows,
-            )
+            return self._forward_many(jobs)
+
+        return self._verify_pass(requests, forward, self._accept)
+
+    def _verify_pass(
+        self,
+        requests: list[worker_pb2.VerifyRequest],
+        forward: Callable[[list[tuple[worker_pb2.VerifyRequest, ActiveSession]]], list],
+        respond: Callable[
+            [worker_pb2.VerifyRequest, ActiveSession, object], worker_pb2.VerifyResponse
+        ],
+    ) -> list[worker_pb2.VerifyResponse]:
+        """One pass over distinct sessions: runs the next chunk of each long prompt
+        (SessionModel.prefill_chunks), ``forward`` over the (request, session) pairs whose
+        forwards run in this pass (one outcome each, in order), and ``respond`` to each with
+        its outcome. Returns, in order: PREFILLING where a chunk ran, a cache_miss where the
+        session missed, else ``respond``'s response, with the pass's sessions and rows (its
+        chunks' too: they shared the batch's time) and, in compute_s, the seconds of the
+        prompt's earlier chunks (verify_batch adds the batch's)."""
+        with self.checked_out([request.session for request in requests]) as actives:
+            chunked = self.prefill_chunks(actives)
+            live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
+            rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
+            rows += self.prefill_chunk * sum(chunked)
+            outcomes = iter(forward(live))
+            responses: list = []
+            for request, active, more in zip(requests, actives, chunked):
+                if more:
+                    responses.append(PREFILLING)
+                elif active is None:
+                    responses.append(worker_pb2.VerifyResponse(cache_miss=True))
+                else:
+                    response = respond(request, active, next(outcomes))
+                    entry = active.entry
+                    response.compute_s, entry.prefill_chunks_s = entry.prefill_chunks_s, 0
+                    responses.append(response)
+        ran = sum(r is PREFILLING or not r.cache_miss for r in responses)
+        for response in responses:
+            if response is not PREFILLING and not response.cache_miss:
+                response.batch_sessions, response.batch_rows = ran, rows
+        return responses
 
     def _accept(
         self, request: worker_pb2.VerifyRequest, active: ActiveSession, logits: torch.Tensor
@@ -172,7 +197,7 @@ class TargetVerifier(SessionModel):
         [num_logits, vocab] logits of its trailing positions."""
         heads, segments = [], []
         for active, token_ids, num_logits in jobs:
-            prompt_todo = max(active.entry.prompt_len - len(active.entry.cached_ids), 0)
+            prompt_todo = active.entry.prompt_left
             if self.exact is None:
                 prompt_todo = len(token_ids)  # no exact widths: one plain forward
             rest = len(token_ids) - prompt_todo
@@ -224,35 +249,6 @@ class TargetVerifier(SessionModel):
             q = sparse_to_dense(q_ids, q_probs, p.shape[-1])
         generator = request_generator(sampling.seed, TARGET_STREAM, position)
         return verify_sampled(draft_ids, q, p, generator)
-
-
-def answers(
-    requests: list[worker_pb2.VerifyRequest],
-    actives: list[ActiveSession | None],
-    chunked: list[bool],
-    answer: Callable[[worker_pb2.VerifyRequest, ActiveSession], worker_pb2.VerifyResponse],
-    rows: int,
-) -> list[worker_pb2.VerifyResponse]:
-    """The responses of a pass over distinct sessions, in order: PREFILLING where a chunk of
-    the prompt ran (SessionModel.prefill_chunks), a cache_miss where the session missed, else
-    ``answer`` (called in order, once per session the pass's forwards ran), with the pass's
-    sessions and ``rows`` and, in compute_s, the seconds of the prompt's earlier chunks
-    (verify_batch adds the batch's)."""
-    responses: list = []
-    for request, active, more in zip(requests, actives, chunked):
-        if more:
-            responses.append(PREFILLING)
-        elif active is None:
-            responses.append(worker_pb2.VerifyResponse(cache_miss=True))
-        else:
-            response = answer(request, active)
-            response.compute_s, active.entry.prefill_chunks_s = active.entry.prefill_chunks_s, 0
-            responses.append(response)
-    ran = sum(r is PREFILLING or not r.cache_miss for r in responses)
-    for response in responses:
-        if response is not PREFILLING and not response.cache_miss:
-            response.batch_sessions, response.batch_rows = ran, rows
-    return responses
 
 
 def _check_q(request: worker_pb2.VerifyRequest) -> None:

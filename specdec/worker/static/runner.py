@@ -311,7 +311,7 @@ class StaticRunner:
         picked: list = [None] * len(feeds)
         jobs = []
         for i, (entry, tokens) in enumerate(feeds):
-            if len(entry.cached_ids) < entry.prompt_len:  # the prompt, or its last chunk
+            if entry.prompt_left:  # the prompt, or its last chunk
                 logits = self.prefill(entry, tokens, 1)[None]
                 last = torch.zeros(1, dtype=torch.long, device=self.device)
                 token, confidence = draft_next(logits, last, self.loaded.vocab_size)

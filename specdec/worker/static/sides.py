@@ -19,7 +19,7 @@ from specdec.worker.proposer import Draft, DraftProposer
 from specdec.worker.static.runner import CallClock, StaticRunner, VerifyJob, VerifyOutcome
 from specdec.worker.static.shapes import invariant_shapes
 from specdec.worker.static.slots import SlotAllocator, SlotLayout, slot_layout
-from specdec.worker.verifier import TargetVerifier, answers
+from specdec.worker.verifier import TargetVerifier
 
 log = logging.getLogger(__name__)
 
@@ -154,26 +154,17 @@ class StaticVerifier(_Slots, TargetVerifier):
     def _verify_group(
         self, requests: list[worker_pb2.VerifyRequest]
     ) -> list[worker_pb2.VerifyResponse]:
-        with self.checked_out([request.session for request in requests]) as actives:
-            chunked = self.prefill_chunks(actives)
-            live = [(r, a) for r, a, c in zip(requests, actives, chunked) if a and not c]
-            rows = sum(len(a.pending) + len(r.draft_token_ids) for r, a in live)
-            rows += self.prefill_chunk * sum(chunked)  # the chunks shared the batch's time
-            outcomes = iter(self.runner.verify([self._job(r, a) for r, a in live]))
-            return answers(
-                requests,
-                actives,
-                chunked,
-                lambda request, active: self._respond(request, active, next(outcomes)),
-                rows,
-            )
+        def forward(live: list[tuple[worker_pb2.VerifyRequest, ActiveSession]]) -> list:
+            return self.runner.verify([self._job(r, a) for r, a in live])
+
+        return self._verify_pass(requests, forward, self._respond)
 
     def _job(self, request: worker_pb2.VerifyRequest, active: ActiveSession) -> VerifyJob:
         """Prefills the session's prompt if its slot lacks it (alone, as it first ran); the
         rest of its tokens go to the runner's fixed-width forwards."""
         drafts = list(request.draft_token_ids)
         tokens, entry = active.pending + drafts, active.entry
-        prompt_todo = max(entry.prompt_len - len(entry.cached_ids), 0)
+        prompt_todo = entry.prompt_left
         rest, head = tokens[prompt_todo:], None
         if prompt_todo:
             wanted = min(max(len(drafts) + 1 - len(rest), 1), prompt_todo)
