@@ -20,6 +20,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="where the cluster records its processes and logs "
         f"(default: ${STATE_DIR_ENV}, else ~/.specdec/cluster)",
     )
+    parser.add_argument(
+        "--gcs-redis",
+        metavar="HOST:PORT",
+        help="up: keep the GCS's tables in this running Redis (GCS fault tolerance), so the "
+        "head can die and come back while serving goes on; adds a fourth node for the routers "
+        "(default: none, the tables live in the head's memory)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     from specdec.cluster import local
 
     if args.action == "up":
-        info = local.up(args.state_dir)
+        info = local.up(args.state_dir, gcs_redis=args.gcs_redis)
         print(f"local cluster up at {info.address} ({len(info.nodes)} nodes)")
     elif args.action == "down":
         pids = local.down(args.state_dir)

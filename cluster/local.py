@@ -4,6 +4,8 @@ Nodes: a **head** (GCS, Serve controller and proxy, no model replicas), a **draf
 advertising the custom resource ``draft_pool`` and a **target** node advertising
 ``target_pool``. Deployments request those resources, so the same Serve config that places
 draft and target replicas on separate KubeRay worker groups places them on separate nodes here.
+With GCS fault tolerance (``up(gcs_redis=...)``) a fourth node, **router**, hosts the routers,
+so that they outlive the head, as the router-pool pods do on Kubernetes.
 
 How a node's processes are started, found and stopped is in ``processes``; the state file
 (``<state_dir>/cluster.json``) in ``state``; ``status()`` in ``status``. The public names of
@@ -143,6 +145,7 @@ def up(
     draft_resources: Mapping[str, float] | None = None,
     target_resources: Mapping[str, float] | None = None,
     target_gpus: int = 0,
+    gcs_redis: str | None = None,
     wait_s: float = 60.0,
 ) -> ClusterInfo:
     """Start the head, draft and target nodes and wait until all three are alive.
@@ -159,6 +162,11 @@ def up(
         target_gpus: GPUs the target node advertises (the other nodes none): 1 on a one-GPU
             machine serves deployments/config/one-gpu.yaml, whose draft and target replicas
             share that GPU by fractional ``num_gpus``.
+        gcs_redis: "host:port" of a running Redis: the GCS keeps its tables there (Ray's GCS
+            fault tolerance), so the head can die and be started again
+            (``faults.restart_node``) while the other nodes, and the replicas on them, keep
+            running. The routers then need a node that survives the head: a fourth node,
+            "router", advertises ``router_pool`` instead of the head.
         wait_s: seconds to wait for all nodes to be alive with their resources.
 
     Every node listens on 127.0.0.1 only (see ``processes.ray_start_main``), and token auth is
@@ -184,7 +192,7 @@ def up(
     # state_dir; it is wiped on the next up() but outlives down() for post-mortem logs.
     temp_root = Path("/tmp") / f"specdec-{hashlib.sha1(str(sd).encode()).hexdigest()[:10]}"
     shutil.rmtree(temp_root, ignore_errors=True)
-    gcs, dash, client, *agents = free_ports(6)
+    gcs, dash, client, *agents = free_ports(7)
     gcs = head_port or gcs
     info = ClusterInfo(
         address=f"{NODE_IP}:{gcs}",
@@ -194,11 +202,14 @@ def up(
         cluster_id=os.urandom(6).hex(),
         state_dir=str(sd),
         temp_root=str(temp_root),
+        gcs_redis=gcs_redis or "",
     )
+    routers = {ROUTER_POOL: 100}
     specs = [
-        ("head", head_cpus, {ROUTER_POOL: 100}),
+        ("head", head_cpus, {} if gcs_redis else routers),
         ("draft", worker_cpus, dict(draft_resources or {"draft_pool": 100})),
         ("target", worker_cpus, dict(target_resources or {"target_pool": 100})),
+        *([("router", worker_cpus, routers)] if gcs_redis else []),
     ]
     deadline = t0 + wait_s
     try:
@@ -276,7 +287,7 @@ def down(
     if info is None:
         return []
     seen = set(cluster_pids(info))
-    for group in (("draft", "target"), ("head",)):
+    for group in (("draft", "target", "router"), ("head",)):
         stop_nodes(info, [n for n in info.nodes if n.role in group], seen, grace_s)
     leftovers = cluster_pids(info)  # stragglers of any node, and marker-only processes
     seen |= set(leftovers)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.cluster.state import MARKER_ENV, ROLE_LABEL, ClusterInfo, NodeProcess
+from specdec.cluster.state import MARKER_ENV, NODE_LABEL, ROLE_LABEL, ClusterInfo, NodeProcess
 
 # ---------------------------------------------------------------- /proc
 
@@ -242,6 +242,26 @@ def prepare_driver() -> None:
         raylet.Config.initialize("")
 
 
+# How long a raylet waits for a GCS that went away before it exits (Ray's default is 60 s, which
+# a restarting head on two busy cores can overrun; KubeRay sets 600 s on worker pods of a
+# cluster with GCS fault tolerance).
+GCS_RECONNECT_S = 300
+
+
+def gcs_redis_env(info: ClusterInfo, role: str) -> dict[str, str]:
+    """What a node of a cluster with GCS fault tolerance (``info.gcs_redis``) adds to its
+    environment: on the head, Ray's ``RAY_REDIS_ADDRESS`` (the GCS keeps its tables in that
+    Redis) under a namespace of this cluster's own (``RAY_external_storage_namespace``), so a
+    restarted head finds them; on every node, ``GCS_RECONNECT_S``. Empty without Redis."""
+    if not info.gcs_redis:
+        return {}
+    env = {"RAY_gcs_rpc_server_reconnect_timeout_s": str(GCS_RECONNECT_S)}
+    if role == "head":
+        env["RAY_REDIS_ADDRESS"] = info.gcs_redis
+        env["RAY_external_storage_namespace"] = f"specdec-{info.cluster_id}"
+    return env
+
+
 def node_env(cluster_id: str) -> dict[str, str]:
     """The environment of a node's ``ray start``: ours, marked with ``cluster_id``, with the
     auth variables of ``auth_env`` and ``SINGLE_HOST_ENV=0`` (for every process the node starts:
@@ -307,12 +327,15 @@ def start_node(
 ) -> NodeProcess:
     """Starts one node of ``info``'s cluster as ``ray start --block`` in a new session.
 
-    The head ("head") binds ``info``'s GCS, dashboard and client ports; any other role joins
-    ``info.address``. ``object_store_bytes`` is in bytes; ``agent_port`` is the node's
-    dashboard agent port; ``num_gpus`` the GPUs it advertises. Returns at once, without waiting
+    The head ("head") binds ``info``'s GCS, dashboard and client ports (and, with
+    ``info.gcs_redis``, keeps the GCS's tables in that Redis: ``gcs_redis_env``); any other
+    role joins ``info.address``. ``object_store_bytes`` is in bytes; ``agent_port`` is the
+    node's dashboard agent port; ``num_gpus`` the GPUs it advertises. The node carries the label
+    ``NODE_LABEL=<random id>`` (``NodeProcess.node_id_label``). Returns at once, without waiting
     for the node to be up; its output goes to ``<state_dir>/logs/<role>.log``. Raises
     RuntimeError when ``ray`` is not installed.
     """
+    node_id_label = secrets.token_hex(6)
     temp_dir = Path(info.temp_root) / role
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(info.state_dir) / "logs" / f"{role}.log"
@@ -324,7 +347,7 @@ def start_node(
         f"--num-cpus={num_cpus}",
         f"--num-gpus={num_gpus}",
         f"--resources={json.dumps(dict(resources))}",
-        f"--labels={ROLE_LABEL}={role}",
+        f"--labels={ROLE_LABEL}={role},{NODE_LABEL}={node_id_label}",
         f"--node-name=specdec-{role}",
         f"--object-store-memory={object_store_bytes}",
         f"--temp-dir={temp_dir}",
@@ -349,7 +372,7 @@ def start_node(
     with open(log_path, "wb") as log:  # fresh per up(), like the Ray temp dir
         proc = subprocess.Popen(
             cmd,
-            env=node_env(info.cluster_id),
+            env={**node_env(info.cluster_id), **gcs_redis_env(info, role)},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -364,6 +387,7 @@ def start_node(
         num_cpus=num_cpus,
         temp_dir=str(temp_dir),
         log_path=str(log_path),
+        node_id_label=node_id_label,
     )
 
 

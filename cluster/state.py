@@ -16,20 +16,24 @@ STATE_DIR_ENV = "SPECDEC_CLUSTER_DIR"
 MARKER_ENV = "SPECDEC_CLUSTER_ID"
 ROLE_LABEL = "specdec/role"
 POOLS = ("draft_pool", "target_pool")
-ROUTER_POOL = "router_pool"  # the head advertises it so the router stays off the model nodes
+# The head advertises it so the router stays off the model nodes; a cluster whose head may die
+# (GCS fault tolerance, ``ClusterInfo.gcs_redis``) has a fourth node, "router", advertise it.
+ROUTER_POOL = "router_pool"
+NODE_LABEL = "specdec/node"  # a random id per node process: a restarted node is not its dead one
 
 
 @dataclass(frozen=True)
 class NodeProcess:
     """One node: the ``ray start --block`` process at the root of its process tree."""
 
-    role: str  # "head" | "draft" | "target"
+    role: str  # "head" | "draft" | "target" | "router"
     pid: int  # also the session id of every process of this node
     start_ticks: int  # /proc/<pid>/stat starttime: tells our pid from a reused one
     resources: dict[str, float]  # custom resources advertised (CPU excluded)
     num_cpus: int
     temp_dir: str  # Ray's --temp-dir for this node (session dir and logs live below)
     log_path: str  # stdout/stderr of `ray start`
+    node_id_label: str = ""  # its NODE_LABEL value, as the GCS node table shows it
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class ClusterInfo:
     nodes: tuple[NodeProcess, ...] = ()
     startup_s: float = 0.0
     rss_bytes: int = 0  # total RSS of the cluster's processes right after startup
+    gcs_redis: str = ""  # "host:port" of the Redis that keeps the GCS's tables; "" = in memory
 
     def node(self, role: str) -> NodeProcess:
         """The node of ``role``; raises StopIteration when there is none."""

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from specdec.cluster.processes import cluster_pids, owned, prepare_driver, rss_bytes
-from specdec.cluster.state import POOLS, ROLE_LABEL, ClusterInfo, load_state, state_dir_path
+from specdec.cluster.state import (
+    NODE_LABEL,
+    POOLS,
+    ROLE_LABEL,
+    ClusterInfo,
+    load_state,
+    state_dir_path,
+)
 
 
 def gcs_nodes(address: str) -> list[dict[str, Any]]:
@@ -40,7 +47,8 @@ def gcs_nodes(address: str) -> list[dict[str, Any]]:
 
 
 def node_role(node: Mapping[str, Any]) -> str:
-    """The role label ("head", "draft", "target") of a GCS node record; "?" when unlabelled."""
+    """The role label ("head", "draft", "target", "router") of a GCS node record; "?" when
+    unlabelled."""
     return node.get("Labels", {}).get(ROLE_LABEL, "?")
 
 
@@ -103,7 +111,10 @@ def _node_summary(node: Mapping[str, Any], info: ClusterInfo) -> dict[str, Any]:
     role = node_role(node)
     res = node.get("Resources", {})
     shown = {k: v for k, v in res.items() if k in ("CPU", "GPU") + POOLS}
-    proc = next((n for n in info.nodes if n.role == role), None)
+    # The node process of this record: a node that died and was restarted left a record of
+    # the same role behind, which its label tells apart.
+    label = node.get("Labels", {}).get(NODE_LABEL)
+    proc = next((n for n in info.nodes if n.role == role and n.node_id_label == label), None)
     pool = next((p for p in POOLS if p in res), None)
     # The GCS notices a dead node only after its health checks time out; the root process
     # tells at once.
@@ -180,7 +191,7 @@ def format_status(st: Mapping[str, Any]) -> str:
         res = ", ".join(f"{k} {v:g}" for k, v in sorted(n["resources"].items()))
         lines.append(
             f"  {n['role']:<7} {'alive' if n['alive'] else 'DEAD':<6}"
-            f" {n['node_id'][:12]}  pid {n['pid']}  {res}"
+            f" {n['node_id'][:12]}  pid {n['pid'] or '-'}  {res}"
         )
     system = ", ".join(f"{a['class']}@{a['role']}" for a in st.get("system_actors", []))
     lines.append(f"serve: {system or 'not started'}")

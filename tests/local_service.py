@@ -33,10 +33,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(
-    tmp: Path, config: Path, port: int, deploy_timeout_s: float = 300, call_timeout_s: float = 120
+    tmp: Path,
+    config: Path,
+    port: int,
+    deploy_timeout_s: float = 300,
+    call_timeout_s: float = 120,
+    **cluster_args,
 ):
-    """Starts a local cluster in ``tmp/state``, deploys ``config`` and yields (client,
-    ClusterInfo, gRPC address); afterwards disconnects and stops exactly that cluster. Serve is
+    """Starts a local cluster in ``tmp/state`` (``cluster_args`` go to ``local.up``), deploys
+    ``config`` and yields (client, ClusterInfo, gRPC address); afterwards disconnects and stops
+    exactly that cluster. Serve is
     not shut down first: the cluster's processes, Serve's among them, all stop with it, and a
     graceful shutdown waited up to 25 s for replicas on a node a test had killed."""
     import ray
@@ -45,7 +51,7 @@ def serving(
     from specdec.cluster.local import LocalCluster
     from specdec.deployments.deploy import deploy
 
-    with LocalCluster(tmp / "state") as info:
+    with LocalCluster(tmp / "state", **cluster_args) as info:
         try:
             deploy(config, address=info.address, timeout_s=deploy_timeout_s)
             address = f"127.0.0.1:{port}"

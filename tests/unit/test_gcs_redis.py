@@ -1,0 +1,44 @@
+"""GCS fault tolerance on the local cluster, without starting it: which node gets which Redis
+settings, and that only a cluster with Redis lets its head be killed. The head killed under
+load is tests/integration/test_head_loss.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.cluster.faults import kill_node
+from specdec.cluster.processes import GCS_RECONNECT_S, gcs_redis_env
+from specdec.cluster.state import ClusterInfo, NodeProcess, save_state
+
+
+def _info(tmp_path, gcs_redis=""):
+    head = NodeProcess("head", 1, 0, {}, 1, str(tmp_path), str(tmp_path / "head.log"))
+    return ClusterInfo(
+        address="127.0.0.1:1",
+        gcs_port=1,
+        dashboard_port=2,
+        client_port=3,
+        cluster_id="c0ffee",
+        state_dir=str(tmp_path),
+        temp_root=str(tmp_path),
+        nodes=(head,),
+        gcs_redis=gcs_redis,
+    )
+
+
+def test_the_head_keeps_its_tables_in_redis_and_every_node_waits_for_it(tmp_path):
+    info = _info(tmp_path, "127.0.0.1:6390")
+    wait = {"RAY_gcs_rpc_server_reconnect_timeout_s": str(GCS_RECONNECT_S)}
+    assert gcs_redis_env(info, "head") == {
+        **wait,
+        "RAY_REDIS_ADDRESS": "127.0.0.1:6390",
+        "RAY_external_storage_namespace": "specdec-c0ffee",
+    }
+    assert gcs_redis_env(info, "draft") == gcs_redis_env(info, "router") == wait
+    assert gcs_redis_env(_info(tmp_path), "head") == {}
+
+
+def test_the_head_of_a_cluster_without_redis_is_not_killed(tmp_path):
+    save_state(_info(tmp_path))
+    with pytest.raises(RuntimeError, match="without GCS fault tolerance"):
+        kill_node(tmp_path, "head")
