@@ -178,11 +178,14 @@ def up(
     Returns the ClusterInfo, also written to ``<state_dir>/cluster.json``.
 
     Raises:
+        ValueError: ``gcs_redis`` is not "host:port", or nothing listens there.
         RuntimeError: a cluster from this state_dir is already running, or the cluster did
             not come up within ``wait_s`` (the message names the logs; whatever was started
             has been stopped again).
     """
     t0 = time.monotonic()
+    if gcs_redis:
+        _check_redis(gcs_redis)
     sd = state_dir_path(state_dir)
     sd.mkdir(parents=True, exist_ok=True)
     _clear_stale(sd)
@@ -246,6 +249,18 @@ def up(
     )
     save_state(info)
     return info
+
+
+def _check_redis(address: str) -> None:
+    """Refuses, before anything starts, a ``gcs_redis`` that is no "host:port" or where nothing
+    listens: a GCS that cannot reach its Redis retries for minutes instead of failing."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        raise ValueError(f"gcs_redis must be HOST:PORT of a running Redis, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), 2.0).close()
+    except OSError as exc:
+        raise ValueError(f"gcs_redis: nothing answers at {address} ({exc})") from None
 
 
 def _clear_stale(sd: Path) -> None:

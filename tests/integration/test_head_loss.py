@@ -37,7 +37,7 @@ from specdec.models.tiny import PROMPTS
 pytestmark = pytest.mark.integration
 NEW_TOKENS = 24
 CLIENTS = 3
-DOWN_S = 10.0  # how long the head stays dead while the load goes on
+DOWN_S = 8.0  # how long the head stays dead while the load goes on
 REDIS = shutil.which("redis-server")
 
 
@@ -140,7 +140,7 @@ def test_gcs_killed_under_load_serving_continues(tmp_path, tiny_pair, reference,
             back_from = time.monotonic()
             restart_node(info.state_dir, "head", wait_s=120)
             back_at = time.monotonic()
-            time.sleep(5)
+            time.sleep(3)
         finally:
             stop.set()
             for t in threads:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.cluster import local
 from specdec.cluster.faults import kill_node
-from specdec.cluster.processes import GCS_RECONNECT_S, gcs_redis_env
+from specdec.cluster.processes import GCS_RECONNECT_S, free_ports, gcs_redis_env
 from specdec.cluster.state import ClusterInfo, NodeProcess, save_state
 
 
@@ -42,3 +43,19 @@ def test_the_head_of_a_cluster_without_redis_is_not_killed(tmp_path):
     save_state(_info(tmp_path))
     with pytest.raises(RuntimeError, match="without GCS fault tolerance"):
         kill_node(tmp_path, "head")
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("redis://127.0.0.1:6379", "HOST:PORT"),
+        ("127.0.0.1", "HOST:PORT"),
+        (None, "nothing answers"),
+    ],
+)
+def test_a_redis_that_is_not_there_is_refused_before_anything_starts(tmp_path, address, message):
+    if address is None:
+        address = f"127.0.0.1:{free_ports(1)[0]}"  # free a moment ago: nothing listens
+    with pytest.raises(ValueError, match=message):
+        local.up(tmp_path / "state", gcs_redis=address)
+    assert not (tmp_path / "state").exists()
