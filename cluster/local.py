@@ -184,7 +184,7 @@ def up(
             has been stopped again).
     """
     t0 = time.monotonic()
-    if gcs_redis:
+    if gcs_redis is not None:
         _check_redis(gcs_redis)
     sd = state_dir_path(state_dir)
     sd.mkdir(parents=True, exist_ok=True)
@@ -270,7 +270,7 @@ def _clear_stale(sd: Path) -> None:
     if any(owned(n) for n in info.nodes):
         raise RuntimeError(
             f"a local cluster is already running at {info.address} (state in {sd}); "
-            "call down() first"
+            "stop it first (`specdec cluster down`, or down())"
         )
     down(sd)  # a crashed cluster: sweep whatever it left and drop the state file
 

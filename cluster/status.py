@@ -11,7 +11,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from specdec.cluster.processes import cluster_pids, owned, prepare_driver, rss_bytes
+from specdec.cluster.processes import (
+    GCS_RECONNECT_S,
+    cluster_pids,
+    owned,
+    prepare_driver,
+    rss_bytes,
+)
 from specdec.cluster.state import (
     NODE_LABEL,
     POOLS,
@@ -83,13 +89,19 @@ def status(state_dir: Path | str | None = None) -> dict[str, Any]:
     replica_states, replicas_by_node {role: count}) and ``system_actors`` (Serve controller
     and proxies with their node role). Serve is never started just to look.
 
-    A stopped cluster gives ``{"running": False, "state_dir": ...}``. Raises RuntimeError if
-    this process is already connected to a different Ray cluster.
+    A stopped cluster gives ``{"running": False, "state_dir": ...}``; one whose head is down
+    while other nodes still run adds ``nodes_up`` (their roles) and ``gcs_redis``. Raises
+    RuntimeError if this process is already connected to a different Ray cluster.
     """
     sd = state_dir_path(state_dir)
     info = load_state(sd)
     result: dict[str, Any] = {"running": False, "state_dir": str(sd)}
-    if info is None or not owned(info.node("head")):
+    if info is None:
+        return result
+    if not owned(info.node("head")):
+        up = [n.role for n in info.nodes if n.role != "head" and owned(n)]
+        if up:
+            result.update(nodes_up=up, gcs_redis=info.gcs_redis)
         return result
     pids = cluster_pids(info)
     result.update(address=info.address, processes=len(pids), rss_bytes=rss_bytes(pids))
@@ -180,6 +192,17 @@ def _serve_summary(roles: Mapping[str, str]) -> tuple[dict, list]:
 
 def format_status(st: Mapping[str, Any]) -> str:
     """Human-readable text for a ``status()`` dict."""
+    if st.get("nodes_up"):
+        back = (
+            'faults.restart_node(state_dir, "head") brings it back; they exit '
+            f"{GCS_RECONNECT_S} s after it died"
+            if st["gcs_redis"]
+            else "no GCS fault tolerance: `specdec cluster down` stops them"
+        )
+        return (
+            f"local cluster: the head is down, {', '.join(st['nodes_up'])} still running "
+            f"({back}; state dir {st['state_dir']})"
+        )
     if not st.get("running"):
         return f"local cluster: not running (state dir {st.get('state_dir')})"
     lines = [

@@ -4,12 +4,16 @@ load is tests/integration/test_head_loss.py."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import pytest
 
 from specdec.cluster import local
 from specdec.cluster.faults import kill_node
-from specdec.cluster.processes import GCS_RECONNECT_S, free_ports, gcs_redis_env
+from specdec.cluster.processes import GCS_RECONNECT_S, free_ports, gcs_redis_env, proc_stat
 from specdec.cluster.state import ClusterInfo, NodeProcess, save_state
+from specdec.cluster.status import format_status, status
 
 
 def _info(tmp_path, gcs_redis=""):
@@ -50,6 +54,7 @@ def test_the_head_of_a_cluster_without_redis_is_not_killed(tmp_path):
     [
         ("redis://127.0.0.1:6379", "HOST:PORT"),
         ("127.0.0.1", "HOST:PORT"),
+        ("", "HOST:PORT"),
         (None, "nothing answers"),
     ],
 )
@@ -59,3 +64,20 @@ def test_a_redis_that_is_not_there_is_refused_before_anything_starts(tmp_path, a
     with pytest.raises(ValueError, match=message):
         local.up(tmp_path / "state", gcs_redis=address)
     assert not (tmp_path / "state").exists()
+
+
+def test_status_tells_a_dead_head_from_a_stopped_cluster(tmp_path):
+    info = _info(tmp_path, "127.0.0.1:6390")
+    draft = NodeProcess("draft", os.getpid(), proc_stat(os.getpid())[2], {}, 1, "", "")
+    save_state(replace(info, nodes=(*info.nodes, draft)))  # the head's pid 1 is not ours
+    st = status(tmp_path)
+    assert st == {
+        "running": False,
+        "state_dir": str(tmp_path),
+        "nodes_up": ["draft"],
+        "gcs_redis": "127.0.0.1:6390",
+    }
+    assert "the head is down, draft still running" in format_status(st)
+    assert "restart_node" in format_status(st)
+    (tmp_path / "cluster.json").unlink()
+    assert "not running" in format_status(status(tmp_path))
