@@ -42,9 +42,9 @@ def serving(
 ):
     """Starts a local cluster in ``tmp/state`` (``cluster_args`` go to ``local.up``), deploys
     ``config`` and yields (client, ClusterInfo, gRPC address); afterwards disconnects and stops
-    exactly that cluster. Serve is
-    not shut down first: the cluster's processes, Serve's among them, all stop with it, and a
-    graceful shutdown waited up to 25 s for replicas on a node a test had killed."""
+    exactly that cluster. Serve is not shut down first: the cluster's processes, Serve's among
+    them, all stop with it, and a graceful shutdown waited up to 25 s for replicas on a node a
+    test had killed."""
     import ray
     from ray.serve import context as serve_context
 
