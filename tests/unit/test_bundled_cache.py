@@ -143,3 +143,35 @@ def test_resolve_and_cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "env-cache"))
     assert bundled.cache_root() == tmp_path / "env-cache"
     assert bundled.cache_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def _tiny_gguf(path: Path, value: int) -> Path:
+    """A GGUF file with one metadata field and one tensor."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", value)
+    writer.add_tensor("weight", np.full((2, 2), value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_conversion_parses_each_gguf_once_and_restores_the_reader(tmp_path):
+    """transformers builds a GGUFReader for the tokenizer, the config and the weights; within
+    _one_gguf_parse they are one reader per file, with the file's own contents."""
+    gguf = pytest.importorskip("gguf")
+    first, second = _tiny_gguf(tmp_path / "a.gguf", 3), _tiny_gguf(tmp_path / "b.gguf", 5)
+    parse = gguf.GGUFReader
+    with bundled._one_gguf_parse():
+        reader = gguf.GGUFReader(first)
+        assert gguf.GGUFReader(str(first)) is reader
+        other = gguf.GGUFReader(second)
+        assert other is not reader
+        values = [int(r.fields["test.value"].parts[-1][0]) for r in (reader, other)]
+        assert values == [3, 5]
+    assert gguf.GGUFReader is parse
+    assert gguf.GGUFReader(first) is not reader  # outside it, each call parses again

@@ -238,23 +238,24 @@ def _fit_pvalue(observed, probs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "params, ks",
+    "engine_name, params, ks",
     [
-        ({"temperature": 1.0}, (1, 2)),
-        ({"temperature": 1.0, "top_k": 5}, (2,)),
-        ({"temperature": 0.8, "top_p": 0.7}, (1,)),
+        ("far_engine", {"temperature": 1.0}, (1, 2)),
+        ("far_engine", {"temperature": 1.0, "top_k": 5}, (2,)),
+        ("far_engine", {"temperature": 0.8, "top_p": 0.7}, (1,)),
+        ("truncating_engine", {"temperature": 1.0}, (1, 2)),
     ],
-    ids=["temperature", "top_k", "top_p"],
-)
-@pytest.mark.parametrize(
-    "engine_name", ["far_engine", "truncating_engine"], ids=["whole-q", "truncated-q"]
+    ids=["whole-q-temperature", "whole-q-top_k", "whole-q-top_p", "truncated-q-temperature"],
 )
 def test_speculative_sampling_matches_target_only_sampling(
     far_engine, sampled, engine_name, params, ks
 ):
     """With q the draft's whole distribution, and with q truncated to the draft's top 4 tokens
     of a 32-token vocabulary (draft_top_n below the vocabulary). Both engines hold the same
-    target, so far_engine gives the exact marginals of either."""
+    target, so far_engine gives the exact marginals of either. The truncated q runs at
+    temperature 1 only: truncation happens after the draft's top-k/top-p processing, so that
+    processing reaches the verifier as it does for the whole q (checked above), and each
+    further case costs 2,000 requests (about 14 s on a 2-core EPYC)."""
     exact = _exact(far_engine, params)
     for k in ks:
         counts, _ = sampled(engine_name, k, params)
