@@ -206,8 +206,8 @@ class Channels:
         return len(self._channels)
 
     def forget(self, address: str) -> None:
-        """Closes the channel to ``address`` (its calls in flight fail; a later call opens a
-        new one)."""
+        """Closes the channel to ``address`` (its calls in flight raise CancelledError, which
+        SessionLeases.call takes as a failed call; a later call opens a new channel)."""
         channel = self._channels.pop(address, None)
         if channel is not None:
             closing = asyncio.ensure_future(channel.close())
@@ -267,7 +267,11 @@ class SessionLeases:
         call = self._channels.call(address, method)
         try:
             response = await call(request, timeout=timeout, metadata=((SECRET_HEADER, secret),))
-        except Exception as err:  # noqa: BLE001 - any other failure: the side goes through Serve
+        except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 - through Serve
+            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the request itself was cancelled
+            # Otherwise the channel closed under the call: another session's call found the
+            # replica gone (forget), and grpc.aio cancels a closed channel's calls in flight.
             code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
             if code == grpc.StatusCode.INVALID_ARGUMENT:  # the replica refused the call's input
                 raise ValueError(err.details()) from err

@@ -83,3 +83,46 @@ def test_refused_input_raises_once_and_a_gone_replica_falls_back(leases):
         session.close()
 
     asyncio.run(run())
+
+
+def test_a_call_whose_channel_closes_under_it_goes_through_serve(monkeypatch):
+    """Another session's failed call closes the shared channel to a dying replica: this
+    session's call in flight on it goes through Serve (None) instead of cancelling the
+    request, while a cancel of the request itself still propagates."""
+    monkeypatch.setattr(direct, "node_host", lambda: "127.0.0.1")
+
+    async def run():
+        entered, hold = asyncio.Event(), asyncio.Event()
+
+        async def verify(request):
+            if request.session.prefix_len == 3:
+                entered.set()
+                await hold.wait()
+            return worker_pb2.VerifyResponse(num_accepted=request.session.prefix_len)
+
+        server = direct.DirectServer({"verify": verify}, idle_s=0, max_sessions=4)
+        try:
+            session, handle = direct.SessionLeases("s", direct.Channels()), _LeaseHandle(server)
+            call = lambda n: session.call("target", handle, "verify", _request(n), 5.0)  # noqa: E731
+            assert await call(1) is None  # the side's first call: through Serve
+            for cancel_the_request in (True, False):
+                session._retry_at.clear()  # lease again at once
+                assert (await call(2)).num_accepted == 2
+                entered.clear()
+                pending = asyncio.ensure_future(call(3))
+                await entered.wait()
+                if cancel_the_request:
+                    pending.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await pending
+                else:
+                    session._channels.forget(session._leases["target"][0])  # as a failed call does
+                    assert await pending is None
+                    assert session.failures["target"] == 1 and "target" not in session._leases
+            hold.set()
+            session.close()
+        finally:
+            if server._server is not None:
+                await server._server.stop(None)
+
+    asyncio.run(run())
