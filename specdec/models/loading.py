@@ -11,19 +11,21 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    PretrainedConfig,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from specdec.errors import ModelLoadError
 from specdec.models.sources import fetch, is_remote
+
+if TYPE_CHECKING:  # transformers' modeling takes seconds to import; the router needs none of it
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
