@@ -31,9 +31,10 @@ def write_config(
     environment variables to the TargetModel replicas'.
 
     Without ``autoscaling``: fixed replicas (``target_replicas`` targets: two, so that a test
-    can kill one; a module that kills none starts one less). With it: {deployment name: fields}
-    replace each named deployment's autoscaling_config fields (the shipped delays are minutes),
-    and the model replicas run one OpenMP thread (_single_threaded).
+    can kill one, each then on one OpenMP thread; a module that kills none starts one less).
+    With it: {deployment name: fields} replace each named deployment's autoscaling_config
+    fields (the shipped delays are minutes), and the model replicas run one OpenMP thread
+    (_single_threaded).
     ``args`` replace the application's settings (e.g. dtype="bfloat16").
     """
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
@@ -57,6 +58,8 @@ def write_config(
             deployment["num_replicas"] = (
                 target_replicas if deployment["name"] == "TargetModel" else 1
             )
+            if deployment["name"] == "TargetModel" and target_replicas > 1:
+                _single_threaded(deployment)  # the replicas share the host's cores
         else:
             deployment["autoscaling_config"].update(autoscaling.get(deployment["name"], {}))
             _single_threaded(deployment)
@@ -66,10 +69,13 @@ def write_config(
 
 
 def _single_threaded(deployment: dict) -> None:
-    """One OpenMP thread for a model deployment (the router sets none). The tiny models gain
-    nothing from a second, and a busy replica whose two threads held both cores starved one that
-    was starting: on the AVX2-only machine a TargetModel replica took 105 s to initialise under
-    6 streams (10 s idle), so the scale-up came after the load had ended."""
+    """One OpenMP thread for a model deployment whose replicas share the host's cores (the
+    router sets none), as each replica of a real deploy has cores of its own. The tiny models
+    gain nothing from a second, and two replicas with two spinning threads each on two cores
+    slowed each other's small forwards many times over: starting together, each took 7-11 s to
+    check the tiny target's stored exact widths, 0.4 s alone (AVX2-only EPYC); a busy replica
+    starved one that was starting (a TargetModel replica took 105 s to initialise under 6
+    streams, 10 s idle), so the scale-up came after the load had ended."""
     env = deployment.get("ray_actor_options", {}).get("runtime_env", {}).get("env_vars", {})
     if "OMP_NUM_THREADS" in env:
         env["OMP_NUM_THREADS"] = "1"
