@@ -46,8 +46,8 @@ redis:
 # 15 min on the AVX-512 BF16 EPYC, 710 tests, 2026-12-04; 14.5-15 min there from a clean clone,
 # 760 passed and 33 skipped, 2026-12-05; 21 min on the AMX Xeon from a clean clone, 868 passed
 # and 65 skipped, 2026-12-05, after the static runner's tests; 29-32 min on a slower AVX-512 BF16
-# EPYC part from a clean clone, 1147 passed, 2026-12-06; 48 min of pytest on the AVX2-only EPYC,
-# 1212 passed, 2026-12-07).
+# EPYC part from a clean clone, 1147 passed, 2026-12-06; 47-52 min of pytest on the AVX2-only EPYC,
+# 1212-1213 passed, 2026-12-07).
 test: lint redis
 	$(PY) -m pytest -q -m "not soak" --durations=40
 
