@@ -57,6 +57,18 @@ def test_every_row_is_the_one_row_result_bitwise_at_every_width(shape):
     assert torch.equal(batched.reshape(20, out_features), alone)
 
 
+@pytest.mark.parametrize("shape", [(600, 320), (301, 1000)])
+def test_a_call_of_many_rows_gives_each_row_its_one_row_result(shape):
+    # From 33 rows the kernel goes over panels of blocks (several here, the last one partial)
+    # instead of block by block; no row's result may change.
+    out_features, in_features = shape
+    packed, bias = bf16_weights.pack(_bf16_valued(*shape, seed=3)), torch.randn(out_features)
+    x = torch.randn(133, in_features)
+    alone = torch.cat([bf16_weights.linear(row[None], packed, out_features, bias) for row in x])
+    for width in (32, 33, 70, 133):
+        assert torch.equal(bf16_weights.linear(x[:width], packed, out_features, bias), alone[:width])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_it_computes_the_float32_product_of_the_widened_weight(shape):
     weight = _bf16_valued(*shape, seed=1)
