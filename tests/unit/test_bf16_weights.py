@@ -64,9 +64,13 @@ def test_a_call_of_many_rows_gives_each_row_its_one_row_result(shape):
     out_features, in_features = shape
     packed, bias = bf16_weights.pack(_bf16_valued(*shape, seed=3)), torch.randn(out_features)
     x = torch.randn(133, in_features)
-    alone = torch.cat([bf16_weights.linear(row[None], packed, out_features, bias) for row in x])
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return bf16_weights.linear(rows, packed, out_features, bias)
+
+    alone = torch.cat([product(row[None]) for row in x])
     for width in (32, 33, 70, 133):
-        assert torch.equal(bf16_weights.linear(x[:width], packed, out_features, bias), alone[:width])
+        assert torch.equal(product(x[:width]), alone[:width]), width
 
 
 @pytest.mark.parametrize("shape", SHAPES)
