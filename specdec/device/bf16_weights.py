@@ -32,7 +32,7 @@ every output is unchanged, bit for bit, and a 700-token prefill of the bundled t
 each in two processes per kernel, alternating).
 
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja,
-about 15 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
+15-50 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
 under a name that includes a hash of the source and the torch version; later processes load
 the built library directly. ``python -m specdec.device.bf16_weights`` builds it ahead (``make
 install`` does).
