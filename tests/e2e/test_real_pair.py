@@ -9,6 +9,7 @@ see conftest.real_pair_args); ``SPECDEC_E2E_DTYPE`` (e.g. bfloat16) fixes the dt
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import os
@@ -17,7 +18,7 @@ import pytest
 from local_service import LOCAL_CONFIG
 from rebuilds import stream_evicting
 
-from specdec import SamplingParams
+from specdec import SamplingParams, SpeculativeEngine
 from specdec.device.calibration.casting import return_freed_memory
 from specdec.models import bundled
 
@@ -151,3 +152,56 @@ def test_seeded_sampling_is_reproducible(real_engine):
     assert second.token_ids == first.token_ids
     assert second.logprobs == pytest.approx(first.logprobs)
     assert any(tokens != first.token_ids for tokens in others)
+
+
+STATIC_PROMPTS = [PROMPT, "import json\n\ndef load(path):\n"]
+# Room for the prompts, their 12 new tokens and k_max drafts, and both prompts in one batch:
+# the runner checks every batch bucket and key length it keeps at start-up, so fewer is faster
+# (the test asks for k = 4 and auto).
+STATIC = {
+    "runner": "static",
+    "max_model_len": 64,
+    "max_batch_size": 2,
+    "max_speculative_tokens": 4,
+    "cache_capacity_bytes": 64 * 1024**2,
+}
+
+
+def test_the_static_runner_equals_its_k0_bitwise_alone_batched_and_rebuilt(real_engine):
+    """The static runner (runner: static, the GPU default; test_real_pair_static) on the real
+    shapes, in the calibration ``auto`` chose (bfloat16 where the CPU computes it, on AVX-512
+    BF16 or AMX; float32+bf16w on an AVX2-only CPU, which only emulates bfloat16): speculative
+    output equals its own k = 0 bitwise, alone, in a batch, and with every session evicted
+    after every round.
+
+    Last in this module: the static engine takes over the module engine's loaded models and
+    calibrations (its runner switches their attention), so the pair is neither loaded nor
+    measured again."""
+    sides = real_engine.transport
+    calibrations = {"draft": sides.proposer.calibration, "target": sides.verifier.calibration}
+    engine = SpeculativeEngine(
+        real_engine.draft,
+        real_engine.target,
+        real_engine.config,
+        calibrations=calibrations,
+        **STATIC,
+    )
+    greedy = SamplingParams(max_new_tokens=12)
+    expected = [engine.generate(p, greedy, 0) for p in STATIC_PROMPTS]
+
+    async def together(engine):
+        return await asyncio.gather(*(engine.agenerate(p, greedy, 4) for p in STATIC_PROMPTS))
+
+    accepted = 0
+    for prompt, k0, batched in zip(STATIC_PROMPTS, expected, asyncio.run(together(engine))):
+        alone = engine.generate(prompt, greedy, "auto")
+        for out in (alone, batched):
+            assert out.token_ids == k0.token_ids, prompt
+            assert out.logprobs == k0.logprobs, prompt
+        accepted += batched.stats.accepted_tokens
+    assert accepted > 0
+    static_sides = (engine.transport.proposer, engine.transport.verifier)
+    reference = (expected[0].token_ids, expected[0].logprobs)
+    assert stream_evicting(engine, PROMPT, greedy, 4, static_sides) == reference
+    del engine
+    _free_memory()
