@@ -131,10 +131,8 @@ class KController:
         if self._probe_due(cap):
             log.debug("k=1: a probe after %d plain rounds", self._plain_rounds)
             return RoundPlan(min(1, cap))
-        sessions, start_s = self.costs.traffic.batch_load, 0.0
-        if draft_lag > CATCHUP_STEADY_TOKENS:
-            per_token = self.costs.catchup_token_seconds
-            start_s = draft_lag * per_token * sessions / (max(limit, 0) + 1)
+        sessions = self.costs.traffic.batch_load
+        start_s = self.start_seconds(limit, draft_lag, sessions)
         # Read once, so every k of this choice is priced at the same rates; alone, its own.
         rates = self.costs.traffic.batch_acceptance_rates() if sessions > 1 else None
         rates = rates or [self.acceptance.rate]
@@ -156,6 +154,16 @@ class KController:
         longest, marginal_s = self._dynamic_length(best, cap, sessions, best_rate)
         floor = min(marginal_s * best_rate, 1.0)
         return RoundPlan(longest, self.confidence.raw_floor(floor), best_rate)
+
+    def start_seconds(self, limit: int, draft_lag: int, sessions: float) -> float:
+        """Seconds per token left that the draft's catch-up on ``draft_lag`` tokens adds before
+        its first draft (choose): P x ``sessions`` / (``limit`` + 1), P = draft_lag x
+        catchup_token_seconds; 0 for a lag of at most CATCHUP_STEADY_TOKENS (a steady
+        catch-up, priced in every round)."""
+        if draft_lag <= CATCHUP_STEADY_TOKENS:
+            return 0.0
+        per_token = self.costs.catchup_token_seconds
+        return draft_lag * per_token * sessions / (max(limit, 0) + 1)
 
     def _round_seconds(self, k: int, sessions: float, rates: Sequence[float]) -> float:
         """CostModel.round_seconds(k), or with pipelined drafting its expectation: a round is a

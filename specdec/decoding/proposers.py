@@ -20,6 +20,15 @@ add to the verify: where the verify pads to a fixed width (half precision), a ta
 the padding costs nothing. Either way the draft model's cache catches up on the committed
 tokens it missed at its next call (KController prices that catch-up).
 
+Under ``auto`` the draft's start (its catch-up on a lag of more than a steady round's tokens:
+its prompt's prefill, before its first draft) must pay for itself against what this request's
+rounds without the draft deliver, not only against k = 0 (``_start_pays``). A draft that would
+start, on a probe too, is left out where even its best rounds cannot repay the start over the
+tokens left. Measured case: on Spec-Bench summaries (420-1150-token prompts) on an AVX2-only
+EPYC, lookup committed most tokens, and each request's k = 1 probe after 16 rounds without the
+draft paid the draft's whole prefill (6.6-10.5 s) for a handful of draft tokens; ``auto`` ran at
+0.86x ``ngram``.
+
 The acceptance of n-gram proposals is estimated per request and per matched n-gram length (a
 4-gram match predicts its continuation better than a 2-gram one), each from a prior that is
 the pooled acceptance of every request's n-gram rounds on this router
@@ -33,13 +42,15 @@ from typing import NamedTuple
 
 from specdec.config import AUTO
 from specdec.decoding.acceptance import AcceptanceEstimator, expected_tokens
-from specdec.decoding.costs import CostModel
+from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams
 
 DRAFT, NGRAM, NONE = "draft", "ngram", "none"
 # Rounds in a row that pass over an n-gram match before one is verified anyway (a probe).
 NGRAM_PROBE_EVERY = 16
+# Per-round forgetting of DraftFreeRounds' counts: about the last 20 rounds without the draft.
+DRAFT_FREE_DECAY = 0.95
 
 
 class Proposal(NamedTuple):
@@ -63,6 +74,47 @@ class Proposal(NamedTuple):
     without_draft: bool = False
 
 
+class DraftFreeRounds:
+    """What one request's rounds without the draft model commit: n-gram rounds (their tokens,
+    proposed and committed) and k = 0 rounds (one token each), recent rounds weighing more
+    (DRAFT_FREE_DECAY a round)."""
+
+    def __init__(self) -> None:
+        self._ngram_rounds = self._proposed = self._ngram_tokens = self._plain_tokens = 0.0
+
+    def observe(self, proposed: int, committed: int) -> None:
+        """A round without the draft: ``proposed`` n-gram tokens (0: a k = 0 round), of which
+        ``committed`` tokens were committed (its accepted ones and the target's next)."""
+        decay = DRAFT_FREE_DECAY
+        self._ngram_rounds *= decay
+        self._proposed *= decay
+        self._ngram_tokens *= decay
+        self._plain_tokens *= decay
+        if proposed:
+            self._ngram_rounds += 1.0
+            self._proposed += proposed
+            self._ngram_tokens += committed
+        else:
+            self._plain_tokens += committed
+
+    def seconds_saved(self, draft_s: float, costs: CostModel, sessions: float) -> float | None:
+        """Seconds per token that rounds of the draft model at ``draft_s`` seconds per token
+        save over this request's rounds without it, each kind of round replaced where the draft
+        is faster: g x max(t_ngram - draft_s, 0) + (1 - g) x max(t_0 - draft_s, 0), g the share
+        of their tokens that n-gram rounds committed, t_ngram the seconds per token of an
+        n-gram round (its mean proposal's verify and one call, CostModel.
+        draft_free_round_seconds, over its mean committed tokens), t_0 a k = 0 round's, all
+        priced for a batch of ``sessions``. None before any n-gram round (needs costs.ready)."""
+        if self._ngram_rounds <= 0.0:
+            return None
+        share = self._ngram_tokens / (self._ngram_tokens + self._plain_tokens)
+        proposed = max(1, round(self._proposed / self._ngram_rounds))
+        committed = self._ngram_tokens / self._ngram_rounds
+        ngram_s = costs.draft_free_round_seconds(proposed, sessions) / max(committed, 1.0)
+        plain_s = costs.round_seconds(0, sessions)
+        return share * max(ngram_s - draft_s, 0.0) + (1 - share) * max(plain_s - draft_s, 0.0)
+
+
 class ProposerChoice:
     """Chooses each round's proposer for one request (module docstring).
 
@@ -78,6 +130,7 @@ class ProposerChoice:
         self._ngrams = ngrams
         self._ngram_acceptance: dict[int, AcceptanceEstimator] = {}
         self._ngram_passed = 0  # rounds in a row whose n-gram match went unverified
+        self._draft_free = DraftFreeRounds()
 
     @property
     def uses_draft(self) -> bool:
@@ -119,6 +172,8 @@ class ProposerChoice:
             fallback = self._ngram_or_none(cap)
             return fallback._replace(without_draft=plan.k > 0 and not draft_available)
         drafted = Proposal(DRAFT if plan.k else NONE, plan)
+        if not only_draft and plan.k and not self._start_pays(plan, limit, draft_lag):
+            return self._ngram_or_none(cap)
         if only_draft or plan.tokens_per_s is None and plan.k:
             return drafted  # a fixed k; or the draft's plan was not priced (a probe, no costs)
         ngram = self._ngram_or_none(cap, probe=True)
@@ -181,6 +236,29 @@ class ProposerChoice:
             NGRAM, RoundPlan(best, tokens_per_s=tokens_per_s(best)), tuple(tokens[:best]), n
         )
 
+    def _start_pays(self, plan: RoundPlan, limit: int, draft_lag: int) -> bool:
+        """Whether a round of ``plan`` (k > 0) under ``auto`` may start the draft: its catch-up
+        on ``draft_lag`` tokens, KController.start_seconds per token left, is at most what the
+        draft's rounds save per token over this request's rounds without it
+        (DraftFreeRounds.seconds_saved), the draft priced at the plan's own rate less that
+        start, or, for an unpriced plan (a probe, which re-measures the acceptance), at its
+        best: every token of the k <= cap of the fewest seconds per token accepted. Always
+        true for a steady lag, before any n-gram round of the request and before the costs
+        are known: without n-gram rounds the choice of k already weighs the start against
+        k = 0 alone (KController.choose)."""
+        costs = self.costs
+        if draft_lag <= CATCHUP_STEADY_TOKENS or not costs.ready:
+            return True
+        sessions = costs.traffic.batch_load
+        start_s = self._controller.start_seconds(limit, draft_lag, sessions)
+        if plan.tokens_per_s is None:
+            ks = range(1, self._cap(limit) + 1)
+            draft_s = min(costs.round_seconds(k, sessions) / (k + 1) for k in ks)
+        else:
+            draft_s = 1.0 / plan.tokens_per_s - start_s
+        saved = self._draft_free.seconds_saved(draft_s, costs, sessions)
+        return saved is None or start_s <= saved
+
     def fallback(self, limit: int) -> Proposal:
         """The round's proposal when its draft call failed: n-gram lookup's, or NONE."""
         return self._ngram_or_none(self._cap(limit))
@@ -230,9 +308,16 @@ class ProposerChoice:
             estimator = self._ngram_acceptance[n] = AcceptanceEstimator(pooled)
         return estimator
 
-    def observe_ngram(self, proposal: Proposal, num_accepted: int) -> None:
-        """Records how many tokens of an NGRAM proposal the target accepted."""
+    def observe_ngram(self, proposal: Proposal, num_accepted: int, tail: bool = False) -> None:
+        """Records how many tokens of an NGRAM proposal the target accepted: a whole round's,
+        or a mixed round's ``tail``."""
         k = len(proposal.tokens)
         self._ngram_passed = 0
         self._acceptance(proposal.ngram_n).observe(k, num_accepted)
         self.costs.traffic.pooled_ngram_acceptance.observe(k, num_accepted)
+        if not tail:
+            self._draft_free.observe(k, num_accepted + 1)
+
+    def observe_plain(self) -> None:
+        """Records a round that proposed nothing (k = 0: one token committed)."""
+        self._draft_free.observe(0, 1)

@@ -289,9 +289,11 @@ class RoundLoop:
         drafted = len(proposal.token_ids)
         if drafted:
             self._draft_ran = min(accepted, drafted - 1)
+        else:
+            self._choices.observe_plain()
         self._controller.observe(drafted, min(accepted, drafted), timing, proposal.confidences)
         if tail.tokens and accepted >= drafted:
-            self._choices.observe_ngram(tail, accepted - drafted)
+            self._choices.observe_ngram(tail, accepted - drafted, tail=True)
 
     async def _draft_for_round(
         self, plan: RoundPlan

@@ -12,9 +12,16 @@ import torch
 from specdec.config import SpeculationConfig
 from specdec.decoding.acceptance import AcceptanceEstimator
 from specdec.decoding.costs import CostModel, CostPrior, RoundTiming
-from specdec.decoding.k_policy import KController, RoundPlan
+from specdec.decoding.k_policy import PROBE_EVERY, KController, RoundPlan
 from specdec.decoding.ngram import NgramIndex, RequestNgrams, SharedNgrams
-from specdec.decoding.proposers import DRAFT, NGRAM, NGRAM_PROBE_EVERY, NONE, ProposerChoice
+from specdec.decoding.proposers import (
+    DRAFT,
+    NGRAM,
+    NGRAM_PROBE_EVERY,
+    NONE,
+    Proposal,
+    ProposerChoice,
+)
 from specdec.decoding.round_loop import with_point_masses
 from specdec.v1 import worker_pb2
 from specdec.worker.sampling import sparse_to_dense
@@ -215,6 +222,47 @@ def test_a_passed_over_match_is_verified_again_after_the_probe_interval():
     sources = [choice.choose(100, 0, True, True).source for _ in range(NGRAM_PROBE_EVERY + 1)]
     assert sources[:NGRAM_PROBE_EVERY] == [DRAFT] * NGRAM_PROBE_EVERY
     assert sources[NGRAM_PROBE_EVERY] == NGRAM
+
+
+def _after_rounds(choice, ngram_rounds, plain_rounds, probe_due=False):
+    """``choice`` after ``ngram_rounds`` n-gram rounds (3 tokens proposed, all accepted: 4
+    committed for one verify) and ``plain_rounds`` k = 0 rounds, with a draft catch-up of 0.02
+    s a token measured; ``probe_due``: then as many k = 0 rounds as make a draft probe due."""
+    choice.costs.observe(1, RoundTiming(verify_s=0.1, catchup_s=2.0, catchup_tokens=100))
+    lookup = Proposal(NGRAM, RoundPlan(3), (3, 4, 5), 2)
+    for _ in range(ngram_rounds):
+        choice.observe_ngram(lookup, 3)
+    for _ in range(plain_rounds):
+        choice.observe_plain()
+    for _ in range(PROBE_EVERY if probe_due else 0):
+        choice._controller.observe(0, 0, RoundTiming(verify_s=0.1))
+    return choice
+
+
+@pytest.mark.parametrize("probe_due", [False, True], ids=["priced", "probe"])
+def test_auto_starts_the_draft_only_where_its_rounds_repay_the_start(probe_due):
+    """Lookup rounds here commit a token per 0.025 s, k = 0 rounds per 0.1 s; the draft's
+    rounds cost 0.068 s a token at acceptance 0.95 (k = 8: a catch-up and 7 steps of 0.05 s,
+    a 0.1 s verify), 0.056 s at best (every token accepted). A start on a 100-token lag
+    (0.02 s a token left) beats k = 0 but not lookup: in a round without a match ``auto``
+    decodes plain instead, probe or not, and calls the draft on a steady lag; ``draft``
+    starts it."""
+    lagging = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 20, 2, probe_due)
+    assert lagging.choose(100, 100, True, True).source == NONE
+    steady = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 20, 2, probe_due)
+    assert steady.choose(100, 2, True, True).source == DRAFT
+    draft_only = _after_rounds(_choice("draft", FRESH, draft_rate=0.95), 20, 2, probe_due)
+    assert draft_only.choose(100, 100, True, True).source == DRAFT
+
+
+@pytest.mark.parametrize("probe_due", [False, True], ids=["priced", "probe"])
+def test_a_start_that_rounds_without_lookup_repay_is_made(probe_due):
+    """Where lookup rarely matched (most tokens from k = 0 rounds), the draft's rounds save
+    0.03-0.04 s a token: a 100-token start (0.02 s a token left) is made, a 1000-token one
+    (0.2 s) is not."""
+    choice = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 1, 30, probe_due)
+    assert choice.choose(100, 100, True, True).source == DRAFT
+    assert choice.choose(100, 1000, True, True).source == NONE
 
 
 # --- mixed rounds: an n-gram tail after the draft model's tokens -------------------------------
