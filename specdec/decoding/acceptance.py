@@ -16,6 +16,10 @@ import math
 import statistics
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.decoding.costs import CostModel
 
 ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
 PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
@@ -27,6 +31,9 @@ PRIOR_REJECTED = 1.0
 POOLED_PRIOR_EVENTS = 5.0
 POOL_DECAY = 0.98  # per-round forgetting of the pooled counts: about the last 50 rounds
 POOL_MIN_EVENTS = 8.0  # pooled events before the pool replaces the fixed prior
+# Per-round forgetting of a request's DraftFreeRounds: about its last 20 rounds without the
+# draft (a router's pooled ones forget at POOL_DECAY).
+DRAFT_FREE_DECAY = 0.95
 # The confidence stop's calibration (ConfidenceCalibration): the drafted tokens it fits on, the
 # fewest it trusts, and the range of its exponent.
 CONFIDENCE_WINDOW = 256
@@ -196,3 +203,57 @@ class ConfidenceCalibration:
             middle = math.sqrt(low * high)
             low, high = (middle, high) if expected(middle) > accepted else (low, middle)
         return math.sqrt(low * high)
+
+
+class DraftFreeRounds:
+    """What rounds without the draft model commit, one request's or (pooled) a router's:
+    n-gram rounds (their tokens, proposed and committed) and k = 0 rounds (one token each),
+    recent rounds weighing more (``decay`` a round; thread-safe).
+
+    specdec.decoding.proposers weighs the draft's start against them (ProposerChoice.
+    _start_pays)."""
+
+    def __init__(self, decay: float = DRAFT_FREE_DECAY) -> None:
+        self._lock = threading.Lock()
+        self._decay = decay
+        self._ngram_rounds = self._proposed = self._ngram_tokens = self._plain_tokens = 0.0
+
+    @property
+    def rounds(self) -> float:
+        """The decayed count of rounds recorded."""
+        with self._lock:
+            return self._ngram_rounds + self._plain_tokens
+
+    def observe(self, proposed: int, committed: int) -> None:
+        """A round without the draft: ``proposed`` n-gram tokens (0: a k = 0 round), of which
+        ``committed`` tokens were committed (its accepted ones and the target's next)."""
+        with self._lock:
+            decay = self._decay
+            self._ngram_rounds *= decay
+            self._proposed *= decay
+            self._ngram_tokens *= decay
+            self._plain_tokens *= decay
+            if proposed:
+                self._ngram_rounds += 1.0
+                self._proposed += proposed
+                self._ngram_tokens += committed
+            else:
+                self._plain_tokens += committed
+
+    def seconds_saved(self, draft_s: float, costs: CostModel, sessions: float) -> float | None:
+        """Seconds per token that rounds of the draft model at ``draft_s`` seconds per token
+        save over this request's rounds without it, each kind of round replaced where the draft
+        is faster: g x max(t_ngram - draft_s, 0) + (1 - g) x max(t_0 - draft_s, 0), g the share
+        of their tokens that n-gram rounds committed, t_ngram the seconds per token of an
+        n-gram round (its mean proposal's verify and one call, CostModel.
+        draft_free_round_seconds, over its mean committed tokens), t_0 a k = 0 round's, all
+        priced for a batch of ``sessions``. None before any n-gram round (needs costs.ready)."""
+        with self._lock:
+            if self._ngram_rounds <= 0.0:
+                return None
+            share = self._ngram_tokens / (self._ngram_tokens + self._plain_tokens)
+            proposed = max(1, round(self._proposed / self._ngram_rounds))
+            committed = self._ngram_tokens / self._ngram_rounds
+        ngram_s = costs.draft_free_round_seconds(proposed, sessions) / max(committed, 1.0)
+        plain_s = costs.round_seconds(0, sessions)
+        return share * max(ngram_s - draft_s, 0.0) + (1 - share) * max(plain_s - draft_s, 0.0)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from specdec.config import AUTO
-from specdec.decoding.acceptance import AcceptanceEstimator, expected_tokens
+from specdec.decoding.acceptance import AcceptanceEstimator, DraftFreeRounds, expected_tokens
 from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams
@@ -49,8 +49,9 @@ from specdec.decoding.ngram import RequestNgrams
 DRAFT, NGRAM, NONE = "draft", "ngram", "none"
 # Rounds in a row that pass over an n-gram match before one is verified anyway (a probe).
 NGRAM_PROBE_EVERY = 16
-# Per-round forgetting of DraftFreeRounds' counts: about the last 20 rounds without the draft.
-DRAFT_FREE_DECAY = 0.95
+# Rounds without the draft model after which a request's own (DraftFreeRounds) replace the
+# router's pooled ones in _start_pays.
+OWN_DRAFT_FREE_ROUNDS = 3
 
 
 class Proposal(NamedTuple):
@@ -74,47 +75,6 @@ class Proposal(NamedTuple):
     without_draft: bool = False
 
 
-class DraftFreeRounds:
-    """What one request's rounds without the draft model commit: n-gram rounds (their tokens,
-    proposed and committed) and k = 0 rounds (one token each), recent rounds weighing more
-    (DRAFT_FREE_DECAY a round)."""
-
-    def __init__(self) -> None:
-        self._ngram_rounds = self._proposed = self._ngram_tokens = self._plain_tokens = 0.0
-
-    def observe(self, proposed: int, committed: int) -> None:
-        """A round without the draft: ``proposed`` n-gram tokens (0: a k = 0 round), of which
-        ``committed`` tokens were committed (its accepted ones and the target's next)."""
-        decay = DRAFT_FREE_DECAY
-        self._ngram_rounds *= decay
-        self._proposed *= decay
-        self._ngram_tokens *= decay
-        self._plain_tokens *= decay
-        if proposed:
-            self._ngram_rounds += 1.0
-            self._proposed += proposed
-            self._ngram_tokens += committed
-        else:
-            self._plain_tokens += committed
-
-    def seconds_saved(self, draft_s: float, costs: CostModel, sessions: float) -> float | None:
-        """Seconds per token that rounds of the draft model at ``draft_s`` seconds per token
-        save over this request's rounds without it, each kind of round replaced where the draft
-        is faster: g x max(t_ngram - draft_s, 0) + (1 - g) x max(t_0 - draft_s, 0), g the share
-        of their tokens that n-gram rounds committed, t_ngram the seconds per token of an
-        n-gram round (its mean proposal's verify and one call, CostModel.
-        draft_free_round_seconds, over its mean committed tokens), t_0 a k = 0 round's, all
-        priced for a batch of ``sessions``. None before any n-gram round (needs costs.ready)."""
-        if self._ngram_rounds <= 0.0:
-            return None
-        share = self._ngram_tokens / (self._ngram_tokens + self._plain_tokens)
-        proposed = max(1, round(self._proposed / self._ngram_rounds))
-        committed = self._ngram_tokens / self._ngram_rounds
-        ngram_s = costs.draft_free_round_seconds(proposed, sessions) / max(committed, 1.0)
-        plain_s = costs.round_seconds(0, sessions)
-        return share * max(ngram_s - draft_s, 0.0) + (1 - share) * max(plain_s - draft_s, 0.0)
-
-
 class ProposerChoice:
     """Chooses each round's proposer for one request (module docstring).
 
@@ -130,7 +90,7 @@ class ProposerChoice:
         self._ngrams = ngrams
         self._ngram_acceptance: dict[int, AcceptanceEstimator] = {}
         self._ngram_passed = 0  # rounds in a row whose n-gram match went unverified
-        self._draft_free = DraftFreeRounds()
+        self._draft_free = DraftFreeRounds()  # this request's rounds without the draft
 
     @property
     def uses_draft(self) -> bool:
@@ -243,9 +203,12 @@ class ProposerChoice:
         (DraftFreeRounds.seconds_saved), the draft priced at the plan's own rate less that
         start, or, for an unpriced plan (a probe, which re-measures the acceptance), at its
         best: every token of the k <= cap of the fewest seconds per token accepted. Always
-        true for a steady lag, before any n-gram round of the request and before the costs
-        are known: without n-gram rounds the choice of k already weighs the start against
-        k = 0 alone (KController.choose)."""
+        true for a steady lag, without n-gram rounds and before the costs are known: without
+        n-gram rounds the choice of k already weighs the start against k = 0 alone
+        (KController.choose). The rounds are the request's own once it has
+        OWN_DRAFT_FREE_ROUNDS, before that the router's recent ones (RequestTraffic.
+        pooled_draft_free): the choice at a request's first round, where its prompt's
+        prefill is at stake, is then made on its neighbours' lookup."""
         costs = self.costs
         if draft_lag <= CATCHUP_STEADY_TOKENS or not costs.ready:
             return True
@@ -256,7 +219,9 @@ class ProposerChoice:
             draft_s = min(costs.round_seconds(k, sessions) / (k + 1) for k in ks)
         else:
             draft_s = 1.0 / plan.tokens_per_s - start_s
-        saved = self._draft_free.seconds_saved(draft_s, costs, sessions)
+        own = self._draft_free
+        rounds = own if own.rounds >= OWN_DRAFT_FREE_ROUNDS else costs.traffic.pooled_draft_free
+        saved = rounds.seconds_saved(draft_s, costs, sessions)
         return saved is None or start_s <= saved
 
     def fallback(self, limit: int) -> Proposal:
@@ -316,8 +281,12 @@ class ProposerChoice:
         self._acceptance(proposal.ngram_n).observe(k, num_accepted)
         self.costs.traffic.pooled_ngram_acceptance.observe(k, num_accepted)
         if not tail:
-            self._draft_free.observe(k, num_accepted + 1)
+            self._observe_draft_free(k, num_accepted + 1)
 
     def observe_plain(self) -> None:
         """Records a round that proposed nothing (k = 0: one token committed)."""
-        self._draft_free.observe(0, 1)
+        self._observe_draft_free(0, 1)
+
+    def _observe_draft_free(self, proposed: int, committed: int) -> None:
+        self._draft_free.observe(proposed, committed)
+        self.costs.traffic.pooled_draft_free.observe(proposed, committed)

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from specdec.decoding.acceptance import (
+    POOL_DECAY,
     AcceptanceEstimator,
+    DraftFreeRounds,
     PooledAcceptance,
     mean_expected_tokens,
 )
@@ -71,6 +73,8 @@ class RequestTraffic:
         self.pooled_acceptance = PooledAcceptance()
         # The same for the rounds proposed by n-gram lookup (specdec.decoding.proposers).
         self.pooled_ngram_acceptance = PooledAcceptance()
+        # What these requests' rounds without the draft committed: a new request's prior.
+        self.pooled_draft_free = DraftFreeRounds(POOL_DECAY)
 
     def observe_batch(self, batch_sessions: int) -> None:
         """Records the sessions that shared a round's verify batch (0 or 1: a lone verify)."""

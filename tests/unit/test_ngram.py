@@ -265,6 +265,24 @@ def test_a_start_that_rounds_without_lookup_repay_is_made(probe_due):
     assert choice.choose(100, 1000, True, True).source == NONE
 
 
+def test_a_new_requests_first_start_is_weighed_against_its_neighbours_lookup():
+    """Before rounds of its own without the draft, a request's start is weighed against the
+    router's recent ones (RequestTraffic.pooled_draft_free): after a neighbour's lookup rounds,
+    a new request with a 100-token lag decodes plain in its first round (no match) instead of
+    starting the draft; on a router without lookup rounds it starts it."""
+    neighbour = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 20, 2)
+    newcomer = ProposerChoice(
+        "auto",
+        KController(
+            neighbour.costs, neighbour._controller.config, acceptance=AcceptanceEstimator(0.95)
+        ),
+        RequestNgrams(FRESH, 2, 4),
+    )
+    assert newcomer.choose(100, 100, True, True).source == NONE
+    alone = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 0, 0)
+    assert alone.choose(100, 100, True, True).source == DRAFT
+
+
 # --- mixed rounds: an n-gram tail after the draft model's tokens -------------------------------
 
 
