@@ -22,12 +22,12 @@ tokens it missed at its next call (KController prices that catch-up).
 
 Under ``auto`` the draft's start (its catch-up on a lag of more than a steady round's tokens:
 its prompt's prefill, before its first draft) must pay for itself against what this request's
-rounds without the draft deliver, not only against k = 0 (``_start_pays``). A draft that would
-start, on a probe too, is left out where even its best rounds cannot repay the start over the
-tokens left. Measured case: on Spec-Bench summaries (420-1150-token prompts) on an AVX2-only
-EPYC, lookup committed most tokens, and each request's k = 1 probe after 16 rounds without the
-draft paid the draft's whole prefill (6.6-10.5 s) for a handful of draft tokens; ``auto`` ran at
-0.86x ``ngram``.
+rounds without the draft deliver (before it has a few, the router's recent ones), not only
+against k = 0 (``_start_pays``). A draft that would start, on a probe too, is left out where its
+rounds cannot repay the start over the tokens left. Measured case: on Spec-Bench summaries
+(420-1150-token prompts) on an AVX2-only EPYC, lookup committed most tokens, and each request
+paid the draft's whole prefill (6.6-10.5 s), in its first round or in its k = 1 probe after 16
+rounds without the draft, for a handful of draft tokens; ``auto`` ran at 0.86x ``ngram``.
 
 The acceptance of n-gram proposals is estimated per request and per matched n-gram length (a
 4-gram match predicts its continuation better than a 2-gram one), each from a prior that is
@@ -284,8 +284,14 @@ class ProposerChoice:
             self._observe_draft_free(k, num_accepted + 1)
 
     def observe_plain(self) -> None:
-        """Records a round that proposed nothing (k = 0: one token committed)."""
-        self._observe_draft_free(0, 1)
+        """Records a round that proposed nothing (k = 0: one token committed), where lookup
+        was consulted: a k = 0 round of ``auto`` or ``ngram``. A request that asked for k = 0
+        (``none``, a fixed k of 0), or drafts with the model only, is no sample of what rounds
+        without the draft deliver: counted, benchmarks' k = 0 requests between ``auto`` ones
+        made every pooled round a plain one."""
+        fixed_k = self._controller.fixed_k
+        if (self.proposer == AUTO and fixed_k is None) or (self.proposer == NGRAM and fixed_k != 0):
+            self._observe_draft_free(0, 1)
 
     def _observe_draft_free(self, proposed: int, committed: int) -> None:
         self._draft_free.observe(proposed, committed)

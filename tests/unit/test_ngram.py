@@ -281,6 +281,16 @@ def test_a_new_requests_first_start_is_weighed_against_its_neighbours_lookup():
     assert newcomer.choose(100, 100, True, True).source == NONE
     alone = _after_rounds(_choice("auto", FRESH, draft_rate=0.95), 0, 0)
     assert alone.choose(100, 100, True, True).source == DRAFT
+    # Requests that asked for k = 0 consult no lookup: their rounds leave the pool as it was.
+    for proposer, fixed_k in (("none", None), ("auto", 0), ("draft", None)):
+        asked = ProposerChoice(
+            proposer,
+            KController(neighbour.costs, neighbour._controller.config, fixed_k=fixed_k),
+            RequestNgrams(FRESH, 2, 4),
+        )
+        for _ in range(200):
+            asked.observe_plain()
+    assert newcomer.choose(100, 100, True, True).source == NONE
 
 
 # --- mixed rounds: an n-gram tail after the draft model's tokens -------------------------------
