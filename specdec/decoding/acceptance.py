@@ -217,17 +217,19 @@ class DraftFreeRounds:
         self._lock = threading.Lock()
         self._decay = decay
         self._ngram_rounds = self._proposed = self._ngram_tokens = self._plain_tokens = 0.0
+        self._count = 0
 
     @property
-    def rounds(self) -> float:
-        """The decayed count of rounds recorded."""
+    def rounds(self) -> int:
+        """How many rounds were recorded."""
         with self._lock:
-            return self._ngram_rounds + self._plain_tokens
+            return self._count
 
     def observe(self, proposed: int, committed: int) -> None:
         """A round without the draft: ``proposed`` n-gram tokens (0: a k = 0 round), of which
         ``committed`` tokens were committed (its accepted ones and the target's next)."""
         with self._lock:
+            self._count += 1
             decay = self._decay
             self._ngram_rounds *= decay
             self._proposed *= decay

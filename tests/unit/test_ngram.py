@@ -291,6 +291,11 @@ def test_a_new_requests_first_start_is_weighed_against_its_neighbours_lookup():
         for _ in range(200):
             asked.observe_plain()
     assert newcomer.choose(100, 100, True, True).source == NONE
+    # From its third round without the draft, its own rounds (here no match in any) decide.
+    for rounds, expected in ((2, NONE), (3, DRAFT)):
+        while newcomer._draft_free.rounds < rounds:
+            newcomer.observe_plain()
+        assert newcomer.choose(100, 100, True, True).source == expected
 
 
 # --- mixed rounds: an n-gram tail after the draft model's tokens -------------------------------
