@@ -16,10 +16,7 @@ import math
 import statistics
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specdec.decoding.costs import CostModel
+from typing import NamedTuple
 
 ACCEPTANCE_DECAY = 0.9  # per-round forgetting of the acceptance counts
 PRIOR_ACCEPTED = 1.5  # pseudo-counts: an acceptance rate of 0.6 before any round
@@ -205,6 +202,22 @@ class ConfidenceCalibration:
         return math.sqrt(low * high)
 
 
+class DraftFreeSummary(NamedTuple):
+    """What rounds without the draft committed (DraftFreeRounds.summary).
+
+    Attributes:
+        ngram_share: the share g of their tokens that n-gram rounds committed (the rest: k = 0
+            rounds).
+        ngram_proposed: tokens an n-gram round proposed, on average.
+        ngram_committed: tokens an n-gram round committed, on average (its accepted ones and
+            the target's next).
+    """
+
+    ngram_share: float
+    ngram_proposed: float
+    ngram_committed: float
+
+
 class DraftFreeRounds:
     """What rounds without the draft model commit, one request's or (pooled) a router's:
     n-gram rounds (their tokens, proposed and committed) and k = 0 rounds (one token each),
@@ -242,20 +255,13 @@ class DraftFreeRounds:
             else:
                 self._plain_tokens += committed
 
-    def seconds_saved(self, draft_s: float, costs: CostModel, sessions: float) -> float | None:
-        """Seconds per token that rounds of the draft model at ``draft_s`` seconds per token
-        save over this request's rounds without it, each kind of round replaced where the draft
-        is faster: g x max(t_ngram - draft_s, 0) + (1 - g) x max(t_0 - draft_s, 0), g the share
-        of their tokens that n-gram rounds committed, t_ngram the seconds per token of an
-        n-gram round (its mean proposal's verify and one call, CostModel.
-        draft_free_round_seconds, over its mean committed tokens), t_0 a k = 0 round's, all
-        priced for a batch of ``sessions``. None before any n-gram round (needs costs.ready)."""
+    def summary(self) -> DraftFreeSummary | None:
+        """The recorded rounds in brief; None before any n-gram round."""
         with self._lock:
             if self._ngram_rounds <= 0.0:
                 return None
-            share = self._ngram_tokens / (self._ngram_tokens + self._plain_tokens)
-            proposed = max(1, round(self._proposed / self._ngram_rounds))
-            committed = self._ngram_tokens / self._ngram_rounds
-        ngram_s = costs.draft_free_round_seconds(proposed, sessions) / max(committed, 1.0)
-        plain_s = costs.round_seconds(0, sessions)
-        return share * max(ngram_s - draft_s, 0.0) + (1 - share) * max(plain_s - draft_s, 0.0)
+            return DraftFreeSummary(
+                ngram_share=self._ngram_tokens / (self._ngram_tokens + self._plain_tokens),
+                ngram_proposed=self._proposed / self._ngram_rounds,
+                ngram_committed=self._ngram_tokens / self._ngram_rounds,
+            )

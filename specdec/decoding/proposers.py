@@ -41,7 +41,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from specdec.config import AUTO
-from specdec.decoding.acceptance import AcceptanceEstimator, DraftFreeRounds, expected_tokens
+from specdec.decoding.acceptance import (
+    AcceptanceEstimator,
+    DraftFreeRounds,
+    DraftFreeSummary,
+    expected_tokens,
+)
 from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams
@@ -200,7 +205,7 @@ class ProposerChoice:
         """Whether a round of ``plan`` (k > 0) under ``auto`` may start the draft: its catch-up
         on ``draft_lag`` tokens, KController.start_seconds per token left, is at most what the
         draft's rounds save per token over this request's rounds without it
-        (DraftFreeRounds.seconds_saved), the draft priced at the plan's own rate less that
+        (_seconds_saved), the draft priced at the plan's own rate less that
         start, or, for an unpriced plan (a probe, which re-measures the acceptance), at its
         best: every token of the k <= cap of the fewest seconds per token accepted. Always
         true for a steady lag, without n-gram rounds and before the costs are known: without
@@ -221,8 +226,23 @@ class ProposerChoice:
             draft_s = 1.0 / plan.tokens_per_s - start_s
         own = self._draft_free
         rounds = own if own.rounds >= OWN_DRAFT_FREE_ROUNDS else costs.traffic.pooled_draft_free
-        saved = rounds.seconds_saved(draft_s, costs, sessions)
-        return saved is None or start_s <= saved
+        summary = rounds.summary()
+        return summary is None or start_s <= self._seconds_saved(summary, draft_s, sessions)
+
+    def _seconds_saved(self, rounds: DraftFreeSummary, draft_s: float, sessions: float) -> float:
+        """Seconds per token that rounds of the draft model at ``draft_s`` seconds per token
+        save over ``rounds`` (rounds without it), each kind of round replaced where the draft
+        is faster: g x max(t_ngram - draft_s, 0) + (1 - g) x max(t_0 - draft_s, 0), g their
+        tokens' n-gram share, t_ngram the seconds per token of an n-gram round (its mean
+        proposal's verify and one call, CostModel.draft_free_round_seconds, over its mean
+        committed tokens), t_0 a k = 0 round's, both priced for a batch of ``sessions``."""
+        costs, share = self.costs, rounds.ngram_share
+        proposed = max(1, round(rounds.ngram_proposed))
+        ngram_s = costs.draft_free_round_seconds(proposed, sessions) / max(
+            rounds.ngram_committed, 1.0
+        )
+        plain_s = costs.round_seconds(0, sessions)
+        return share * max(ngram_s - draft_s, 0.0) + (1 - share) * max(plain_s - draft_s, 0.0)
 
     def fallback(self, limit: int) -> Proposal:
         """The round's proposal when its draft call failed: n-gram lookup's, or NONE."""
