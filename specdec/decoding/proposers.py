@@ -47,7 +47,7 @@ from specdec.decoding.acceptance import (
     DraftFreeSummary,
     expected_tokens,
 )
-from specdec.decoding.costs import CATCHUP_STEADY_TOKENS, CostModel
+from specdec.decoding.costs import CostModel
 from specdec.decoding.k_policy import KController, RoundPlan
 from specdec.decoding.ngram import RequestNgrams
 
@@ -215,10 +215,10 @@ class ProposerChoice:
         pooled_draft_free): the choice at a request's first round, where its prompt's
         prefill is at stake, is then made on its neighbours' lookup."""
         costs = self.costs
-        if draft_lag <= CATCHUP_STEADY_TOKENS or not costs.ready:
-            return True
         sessions = costs.traffic.batch_load
-        start_s = self._controller.start_seconds(limit, draft_lag, sessions)
+        start_s = self._controller.start_seconds(limit, draft_lag, sessions)  # 0: steady lag
+        if start_s <= 0.0 or not costs.ready:
+            return True
         if plan.tokens_per_s is None:
             ks = range(1, self._cap(limit) + 1)
             draft_s = min(costs.round_seconds(k, sessions) / (k + 1) for k in ks)
