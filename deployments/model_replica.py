@@ -132,8 +132,10 @@ class ModelReplica:
             yield message
 
     async def direct_stats(self) -> dict[str, int]:
-        """{"served": calls answered over the direct path, "leases": leases open now}."""
-        return {"served": self._direct.served, "leases": self._direct.open_leases}
+        """{"served": calls answered over the direct path, "leases": leases open now,
+        "streams": direct call streams opened (a session's calls of this side share one)}."""
+        direct = self._direct
+        return {"served": direct.served, "leases": direct.open_leases, "streams": direct.streams}
 
     def _resize_batches(self) -> None:
         size, wait_s = self._sizer.next_batch()

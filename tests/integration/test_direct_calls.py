@@ -34,10 +34,12 @@ def client(tmp_path_factory, tiny_service):
 
 
 def _direct_stats(deployment):
-    """{"served": ..., "leases": ...} summed over ``deployment``'s RUNNING replicas."""
+    """{"served": ..., "leases": ..., "streams": ...} summed over ``deployment``'s RUNNING
+    replicas."""
     answers = per_replica(deployment, "direct_stats")
     assert len(answers) == len(running_replicas(deployment)), "a replica no probe reached"
-    return {key: sum(stats[key] for _, stats in answers.values()) for key in ("served", "leases")}
+    keys = ("served", "leases", "streams")
+    return {key: sum(stats[key] for _, stats in answers.values()) for key in keys}
 
 
 def _calls(name="ray_specdec_replica_calls_total", **labels):
@@ -47,7 +49,7 @@ def _calls(name="ray_specdec_replica_calls_total", **labels):
 def test_greedy_output_over_direct_calls_equals_the_target_alone(client, reference):
     """Concurrent greedy requests at k = 0, 2 and auto equal the target alone, and both sides
     answered most of their calls directly (a session's first call of a side goes via Serve)."""
-    before = {d: _direct_stats(d)["served"] for d in ("DraftModel", "TargetModel")}
+    before = {d: _direct_stats(d) for d in ("DraftModel", "TargetModel")}
     cases = [(p, k) for p in PROMPTS[:3] for k in (0, 2, None)]
 
     def run(case):
@@ -59,10 +61,15 @@ def test_greedy_output_over_direct_calls_equals_the_target_alone(client, referen
         outputs = list(pool.map(run, cases))
     for (prompt, _), tokens in zip(cases, outputs):
         assert tokens == reference(prompt, 48)
-    after = {d: _direct_stats(d)["served"] for d in ("DraftModel", "TargetModel")}
+    after = {d: _direct_stats(d) for d in ("DraftModel", "TargetModel")}
+    served, streams = (
+        {d: after[d][k] - before[d][k] for d in after} for k in ("served", "streams")
+    )
     # k = 2 alone makes 47 or fewer rounds a request; every one after the first is direct.
-    assert after["TargetModel"] - before["TargetModel"] >= len(cases) * 10
-    assert after["DraftModel"] - before["DraftModel"] >= 3
+    assert served["TargetModel"] >= len(cases) * 10
+    assert served["DraftModel"] >= 3
+    # A session's direct calls of a side travel on one stream (no call here fails).
+    assert 1 <= streams["TargetModel"] <= len(cases) and 1 <= streams["DraftModel"] <= len(cases)
     # The router's metrics split the calls by path: each session's first call of a side via
     # Serve, the rest direct.
     for side in ("draft", "target"):
@@ -94,24 +101,30 @@ def test_a_direct_call_needs_its_replicas_lease_secret(client):
         session=worker_pb2.SessionTokens(session_id="secret-probe", prefix_len=5)
     )
     with grpc.insecure_channel(address) as channel:
-        verify = channel.unary_unary(
+        stream = channel.stream_stream(
             f"/{SERVICE}/verify",
             request_serializer=worker_pb2.VerifyRequest.SerializeToString,
             response_deserializer=worker_pb2.VerifyResponse.FromString,
         )
+
+        def verify(*requests, metadata):
+            return list(stream(iter(requests), timeout=10, metadata=metadata))
+
         for metadata in ((), ((SECRET_HEADER, "0" * len(secret)),)):
             with pytest.raises(grpc.RpcError) as err:
-                verify(request, timeout=10, metadata=metadata)
+                verify(request, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        # With the secret: answered (a session this replica never saw is a cache miss).
-        assert verify(request, timeout=10, metadata=((SECRET_HEADER, secret),)).cache_miss
+        # With the secret: answered, in order, on one stream (a session this replica never
+        # saw is a cache miss, and so is every call after it that carries no prefix).
+        answers = verify(request, request, metadata=((SECRET_HEADER, secret),))
+        assert [answer.cache_miss for answer in answers] == [True, True]
         # A call the replica refuses for its input: INVALID_ARGUMENT naming the field (the
         # router raises it as through Serve, instead of sending the call again via Serve).
         bad = worker_pb2.VerifyRequest(
             session=worker_pb2.SessionTokens(session_id="secret-probe", prefix_len=0)
         )
         with pytest.raises(grpc.RpcError) as err:
-            verify(bad, timeout=10, metadata=((SECRET_HEADER, secret),))
+            verify(bad, metadata=((SECRET_HEADER, secret),))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "new_token_ids" in err.value.details()
     lease.cancel()

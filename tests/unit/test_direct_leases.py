@@ -126,3 +126,53 @@ def test_a_call_whose_channel_closes_under_it_goes_through_serve(monkeypatch):
                 await server._server.stop(None)
 
     asyncio.run(run())
+
+
+def test_a_sides_calls_share_one_stream_and_a_broken_call_never_answers_the_next(monkeypatch):
+    """Every direct call of a side travels on one stream; a call cancelled in flight, or a
+    propose past its timeout, ends that stream (its late response must not answer the next
+    call), and the next call opens another: each call gets its own response."""
+    monkeypatch.setattr(direct, "node_host", lambda: "127.0.0.1")
+
+    async def run():
+        async def propose(request):
+            if request.session.prefix_len in (3, 5):  # slower than the caller waits
+                await asyncio.sleep(0.3)
+            return worker_pb2.ProposeResponse(token_ids=[request.session.prefix_len])
+
+        server = direct.DirectServer({"propose": propose}, idle_s=0, max_sessions=4)
+        try:
+            session, handle = direct.SessionLeases("s", direct.Channels()), _LeaseHandle(server)
+
+            async def call(n: int, timeout: float = 5.0):
+                request = worker_pb2.ProposeRequest(
+                    session=worker_pb2.SessionTokens(session_id="s", prefix_len=n)
+                )
+                response = await session.call("draft", handle, "propose", request, timeout)
+                return None if response is None else list(response.token_ids)
+
+            assert await call(1) is None  # the side's first call: through Serve
+            assert [await call(2) for _ in range(4)] == [[2]] * 4
+            assert server.streams == 1 and server.served == 4
+            # Cancelled in flight (the request ended): the next call has its own answer.
+            pending = asyncio.ensure_future(call(3))
+            await asyncio.sleep(0.1)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            assert await call(4) == [4] and server.streams == 2
+            assert session.failures["draft"] == 0
+            # A propose past its timeout raises and drops the lease (through Serve a while).
+            with pytest.raises(asyncio.TimeoutError):
+                await call(5, timeout=0.1)
+            assert session.failures["draft"] == 1 and "draft" not in session._leases
+            assert await call(6) is None
+            session._retry_at.clear()
+            await asyncio.sleep(0.4)  # the late answer to 5 would be waiting now
+            assert await call(7) == [7] and server.streams == 3
+            session.close()
+        finally:
+            if server._server is not None:
+                await server._server.stop(None)
+
+    asyncio.run(run())
