@@ -357,7 +357,8 @@ class _CallStream:
     """A session side's direct calls to its leased replica, one at a time as the messages of
     one gRPC stream: opened on the first call, and again after a call that failed or was
     cancelled (which ends it, since its response may still be on the way) or once it ended
-    while idle (its replica restarted the connection or went away).
+    while idle (its replica restarted the connection or went away). Calls that overlap (the
+    round loop sends none today) wait their turn, so each reads its own response.
 
     Args:
         open_stream: opens a new stream (Channels.open with the lease's address and secret).
@@ -366,6 +367,7 @@ class _CallStream:
     def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall]) -> None:
         self._open = open_stream
         self._stream: grpc.aio.StreamStreamCall | None = None
+        self._turn = asyncio.Lock()
 
     async def call(self, request, timeout: float):
         """The replica's response to ``request``.
@@ -379,8 +381,9 @@ class _CallStream:
         deadline = loop.time() + timeout
         timer = loop.call_at(deadline, self.end)  # cheaper than a wait_for task a call
         try:
-            stream = await self._send(request)
-            response = await stream.read()
+            async with self._turn:
+                stream = await self._send(request)
+                response = await stream.read()
             if response is grpc.aio.EOF:
                 raise ConnectionError("the replica ended the call stream")
             return response

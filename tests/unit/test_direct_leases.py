@@ -153,7 +153,9 @@ def test_a_sides_calls_share_one_stream_and_a_broken_call_never_answers_the_next
 
             assert await call(1) is None  # the side's first call: through Serve
             assert [await call(2) for _ in range(4)] == [[2]] * 4
-            assert server.streams == 1 and server.served == 4
+            # Overlapping calls of a side take turns on the stream: each reads its own answer.
+            assert await asyncio.gather(call(5), call(2), call(3)) == [[5], [2], [3]]
+            assert server.streams == 1 and server.served == 7
             # Cancelled in flight (the request ended): the next call has its own answer.
             pending = asyncio.ensure_future(call(3))
             await asyncio.sleep(0.1)
