@@ -355,10 +355,10 @@ class SessionLeases:
 
 class _CallStream:
     """A session side's direct calls to its leased replica, one at a time as the messages of
-    one gRPC stream: opened on the first call, and again after a call that failed or was
-    cancelled (which ends it, since its response may still be on the way) or once it ended
-    while idle (its replica restarted the connection or went away). Calls that overlap (the
-    round loop sends none today) wait their turn, so each reads its own response.
+    one gRPC stream: opened on the first call, and again after a call that failed, timed out or
+    was cancelled (which ends it, since its response may still be on the way) or once it ended
+    while idle. Calls that overlap (the round loop sends none today) wait their turn, so each
+    reads its own response.
 
     Args:
         open_stream: opens a new stream (Channels.open with the lease's address and secret).
@@ -372,45 +372,51 @@ class _CallStream:
     async def call(self, request, timeout: float):
         """The replica's response to ``request``.
 
-        Raises:
-            asyncio.TimeoutError: no response within ``timeout`` seconds.
-            grpc.aio.AioRpcError, asyncio.CancelledError, ConnectionError: the call failed
-                (the stream was ended).
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        timer = loop.call_at(deadline, self.end)  # cheaper than a wait_for task a call
-        try:
-            async with self._turn:
-                stream = await self._send(request)
-                response = await stream.read()
-            if response is grpc.aio.EOF:
-                raise ConnectionError("the replica ended the call stream")
-            return response
-        except (Exception, asyncio.CancelledError) as err:
-            self.end()
-            cancelled = asyncio.current_task().cancelling()
-            if not cancelled and loop.time() >= deadline:
-                raise asyncio.TimeoutError from err
-            raise
-        finally:
-            timer.cancel()
+        ``timeout`` bounds the whole call: its wait for its turn, the stream's opening and the
+        answer (a replica that accepts the connection but never answers included). A call ends
+        only the streams it wrote on, never the one another call is using.
 
-    async def _send(self, request) -> grpc.aio.StreamStreamCall:
+        Raises:
+            TimeoutError: no response within ``timeout`` seconds.
+            grpc.aio.AioRpcError, asyncio.CancelledError, ConnectionError: the call failed
+                (its stream was ended).
+        """
+        written: list[grpc.aio.StreamStreamCall] = []  # the streams this call wrote on
+        try:
+            async with asyncio.timeout(timeout), self._turn:
+                stream = await self._send(request, written)
+                response = await stream.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("the replica ended the call stream")
+                return response
+        except (Exception, asyncio.CancelledError):
+            for stream in written:
+                self._end(stream)
+            raise
+
+    async def _send(self, request, written: list) -> grpc.aio.StreamStreamCall:
+        """The stream ``request`` was written on: the open one, or a new one where that had
+        ended while idle (its replica restarted the connection or went away)."""
         stream = self._stream
         if stream is not None and not stream.done():
+            written.append(stream)
             try:
                 await stream.write(request)
                 return stream
             except Exception as err:  # noqa: BLE001 - it ended while idle: a new one
                 log.debug("direct call stream ended (%r); opening another", err)
-                stream.cancel()
+                self._end(stream)
         stream = self._stream = self._open()
+        written.append(stream)
         await stream.write(request)
         return stream
 
     def end(self) -> None:
         """Ends the stream (a call in flight on it raises CancelledError)."""
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.cancel()
+        if self._stream is not None:
+            self._end(self._stream)
+
+    def _end(self, stream: grpc.aio.StreamStreamCall) -> None:
+        stream.cancel()
+        if self._stream is stream:
+            self._stream = None

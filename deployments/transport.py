@@ -204,7 +204,7 @@ class HandleTransport:
             while not call.done():
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 await asyncio.wait({call}, timeout=min(NO_REPLICA_POLL_S, left))
                 if not call.done() and counts.none_running("target", refuse_since):
                     raise ServiceUnavailable(

@@ -76,7 +76,7 @@ class ReplicaMonitor:
         self._reader = asyncio.create_task(self._read())
         try:
             await asyncio.wait_for(self._first.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self.close()
             raise RuntimeError(
                 f"no replica counts from Ray at {self.ray_address} within "
@@ -107,7 +107,7 @@ class ReplicaMonitor:
             self._proc.terminate()
             try:
                 await asyncio.wait_for(self._proc.wait(), 10.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
         if self._reader is not None:

@@ -178,3 +178,64 @@ def test_a_sides_calls_share_one_stream_and_a_broken_call_never_answers_the_next
                 await server._server.stop(None)
 
     asyncio.run(run())
+
+
+def test_a_replica_that_never_answers_costs_a_call_its_timeout_only(monkeypatch):
+    """A leased address that accepts the connection and never speaks (a hung process, a node
+    gone without resetting its connections): the call still ends at its timeout and goes
+    through Serve, where a cancelled stream alone would leave its opening write waiting."""
+
+    async def run():
+        async def silent(reader, writer):
+            await asyncio.sleep(30)
+
+        hole = await asyncio.start_server(silent, "127.0.0.1", 0)
+        try:
+            session = direct.SessionLeases("s", direct.Channels())
+            session._leases["target"] = (f"127.0.0.1:{hole.sockets[0].getsockname()[1]}", "x")
+            call = session.call("target", None, "verify", _request(1), 0.3)
+            assert await asyncio.wait_for(call, 10) is None  # not the outer 10 s
+            assert session.failures["target"] == 1 and "target" not in session._leases
+        finally:
+            hole.close()
+
+    asyncio.run(run())
+
+
+def test_a_waiting_call_that_times_out_leaves_the_call_in_flight_alone(monkeypatch):
+    """Overlapping calls on one stream: the one waiting for its turn times out or is
+    cancelled without ending the stream the other is reading from, which gets its answer."""
+    monkeypatch.setattr(direct, "node_host", lambda: "127.0.0.1")
+
+    async def run():
+        async def propose(request):
+            await asyncio.sleep(0.4 if request.session.prefix_len == 1 else 0.0)
+            return worker_pb2.ProposeResponse(token_ids=[request.session.prefix_len])
+
+        server = direct.DirectServer({"propose": propose}, idle_s=0, max_sessions=4)
+        lease = server.lease("s")
+        try:
+            address, secret = (await lease.__anext__()).split(" ")
+            calls = direct._CallStream(lambda: direct.Channels().open(address, "propose", secret))
+
+            def call(n: int, timeout: float):
+                request = worker_pb2.ProposeRequest(
+                    session=worker_pb2.SessionTokens(session_id="s", prefix_len=n)
+                )
+                return asyncio.ensure_future(calls.call(request, timeout))
+
+            first, waiting = call(1, 5.0), call(2, 0.1)
+            with pytest.raises(TimeoutError):
+                await waiting
+            cancelled = call(3, 5.0)
+            await asyncio.sleep(0.05)
+            cancelled.cancel()
+            assert list((await first).token_ids) == [1]
+            assert cancelled.cancelled() and server.streams == 1
+            assert list((await call(4, 5.0)).token_ids) == [4] and server.streams == 1
+            calls.end()
+        finally:
+            await lease.aclose()
+            await server._server.stop(None)
+
+    asyncio.run(run())

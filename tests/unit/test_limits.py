@@ -94,7 +94,7 @@ def test_retryable_covers_what_a_dying_or_draining_replica_raises():
         RequestCancelledError("r"),
         BackPressureError(num_queued_requests=3, max_queued_requests=2),
         DeploymentUnavailableError(None),
-        asyncio.TimeoutError(),
+        TimeoutError(),
         rpc_error(grpc.StatusCode.UNAVAILABLE),
         rpc_error(grpc.StatusCode.CANCELLED),
     ):
