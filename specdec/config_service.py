@@ -47,10 +47,10 @@ class ServiceConfig(Section):
     """A session's propose and verify calls go straight to the replica that holds its cache, as
     the messages of one gRPC stream per session and side (specdec.deployments.direct), not
     through Serve's handle path each round: about a millisecond less a call than through Serve,
-    and a stream's message about half a millisecond less than a unary gRPC call. Serve still places each session (a lease, one ongoing
-    request on its replica for the session's life, for up to `max_batch_size` sessions a
-    replica: autoscaling and draining count them); a direct call that fails goes through Serve
-    instead. Off by default while it is new."""
+    and a stream's message about half a millisecond less than a unary gRPC call. Serve still
+    places each session (a lease, one ongoing request on its replica for the session's life,
+    for up to `max_batch_size` sessions a replica: autoscaling and draining count them); a
+    direct call that fails goes through Serve instead. Off by default while it is new."""
 
     draft_retry_s: float = 1.0
     """Seconds from a draft failure to the router's first check that a draft replica answers
