@@ -44,6 +44,12 @@ def _request(prefix_len: int) -> worker_pb2.VerifyRequest:
     )
 
 
+def _propose(prefix_len: int) -> worker_pb2.ProposeRequest:
+    return worker_pb2.ProposeRequest(
+        session=worker_pb2.SessionTokens(session_id="s", prefix_len=prefix_len)
+    )
+
+
 @pytest.fixture
 def leases(monkeypatch):
     monkeypatch.setattr(direct, "node_host", lambda: "127.0.0.1")
@@ -145,10 +151,7 @@ def test_a_sides_calls_share_one_stream_and_a_broken_call_never_answers_the_next
             session, handle = direct.SessionLeases("s", direct.Channels()), _LeaseHandle(server)
 
             async def call(n: int, timeout: float = 5.0):
-                request = worker_pb2.ProposeRequest(
-                    session=worker_pb2.SessionTokens(session_id="s", prefix_len=n)
-                )
-                response = await session.call("draft", handle, "propose", request, timeout)
+                response = await session.call("draft", handle, "propose", _propose(n), timeout)
                 return None if response is None else list(response.token_ids)
 
             assert await call(1) is None  # the side's first call: through Serve
@@ -219,10 +222,7 @@ def test_a_waiting_call_that_times_out_leaves_the_call_in_flight_alone(monkeypat
             calls = direct._CallStream(lambda: direct.Channels().open(address, "propose", secret))
 
             def call(n: int, timeout: float):
-                request = worker_pb2.ProposeRequest(
-                    session=worker_pb2.SessionTokens(session_id="s", prefix_len=n)
-                )
-                return asyncio.ensure_future(calls.call(request, timeout))
+                return asyncio.ensure_future(calls.call(_propose(n), timeout))
 
             first, waiting = call(1, 5.0), call(2, 0.1)
             with pytest.raises(TimeoutError):
